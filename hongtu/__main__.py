@@ -1,0 +1,5 @@
+import sys
+
+from hongtu.cli import main
+
+sys.exit(main())

@@ -1,0 +1,117 @@
+r"""Device memory budget: what one chunk needs, and the fewest chunks that fit.
+
+The estimate is per chunk and per layer, the peak of forward and backward:
+
+* staging slots (allocated once): the largest chunk's neighbour rows, and
+  three slots of its destination rows, at the widest layer;
+* the chunk's block (two copies of its edges, plus per-edge weights);
+* activations of the layer: dropped inputs (the counter-based dropout mask
+  costs 32 bytes per element while it is built), the aggregate, the output
+  and their gradients, plus the layer's own ``extra_device_bytes``;
+* parameters with their gradients and Adam's two moments.
+
+On a GPU the executor measures the real peak; the estimate is what
+``engine.chunks: auto`` is chosen with and what ``hongtu report`` shows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hongtu.config import format_size
+from hongtu.errors import UserError
+from hongtu.graph import Graph
+from hongtu.nn.model import GNN
+from hongtu.partition import chunk_partition
+from hongtu.partition._kernels import distinct_sources
+
+__all__ = ["ChunkSizes", "chunk_sizes", "estimate_device_bytes", "choose_chunks",
+           "CHUNK_CANDIDATES"]
+
+CHUNK_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512,
+                    768, 1024, 1536, 2048, 4096)
+_MASK_BYTES = 32  # int64 temporaries of the counter-based dropout hash, per element
+
+
+@dataclass
+class ChunkSizes:
+    """Rows and edges of every chunk (flat, ``m * n``)."""
+
+    num_src: np.ndarray
+    num_dst: np.ndarray
+    num_edges: np.ndarray
+
+
+def chunk_sizes(graph: Graph, perm: np.ndarray, chunk_ptr: np.ndarray) -> ChunkSizes:
+    """Sizes of the chunks ``chunk_ptr`` cuts from ``graph`` renumbered by ``perm``.
+
+    ``graph`` is in the user's ids; ``perm`` maps new ids to them.
+    """
+    num_src = distinct_sources(graph.indptr, graph.indices, perm, chunk_ptr)
+    deg_new = graph.in_degree()[perm]
+    cum = np.zeros(deg_new.shape[0] + 1, dtype=np.int64)
+    np.cumsum(deg_new, out=cum[1:])
+    num_edges = cum[chunk_ptr[1:]] - cum[chunk_ptr[:-1]]
+    return ChunkSizes(num_src, np.diff(chunk_ptr), num_edges)
+
+
+def estimate_device_bytes(model: GNN, sizes: ChunkSizes, itemsize: int = 4,
+                          training: bool = True, num_nodes: int = 0) -> int:
+    """Estimated peak device bytes of training ``model`` chunk by chunk.
+
+    Args:
+        model: the GNN.
+        sizes: the chunks' sizes.
+        itemsize: bytes per element (4 for float32).
+        training: include dropout masks and gradients.
+        num_nodes: vertex count (labels and masks live on the device).
+    """
+    widths = model.widths()
+    wmax = max(widths)
+    max_src, max_dst = int(sizes.num_src.max()), int(sizes.num_dst.max())
+    fixed = (max_src + 3 * max_dst) * wmax * itemsize
+    fixed += sum(p.numel() for p in model.parameters()) * itemsize * 4
+    fixed += num_nodes * 11  # labels (int64) and three masks (bool)
+    drop = _MASK_BYTES if (training and model.p > 0) else 0
+    peak = 0
+    for l, layer in enumerate(model.layers):
+        w_in, w_out = widths[l], widths[l + 1]
+        src, dst, e = sizes.num_src, sizes.num_dst, sizes.num_edges
+        block = e * (3 * 8 + itemsize + 8) + (src + dst) * (8 + itemsize) + src * 8
+        act = src * w_in * (2 * itemsize + drop) + dst * (3 * w_in + 3 * w_out) * itemsize
+        extra = np.array([layer.extra_device_bytes(int(a), int(b), int(c), itemsize)
+                          for a, b, c in zip(src, dst, e)], dtype=np.int64)
+        peak = max(peak, int((block + act + extra).max()))
+    return int(fixed + peak)
+
+
+def choose_chunks(graph: Graph, assignment: np.ndarray, num_parts: int, model: GNN,
+                  budget: int | None, itemsize: int = 4,
+                  candidates: tuple[int, ...] = CHUNK_CANDIDATES) -> tuple[int, int]:
+    """The fewest chunks per part whose estimated peak fits ``budget``.
+
+    Returns:
+        ``(chunks, estimated_bytes)``.
+
+    Raises:
+        UserError: no chunk count fits; the message gives the smallest need.
+    """
+    part_sizes = np.bincount(assignment, minlength=num_parts)
+    smallest = int(part_sizes.min())
+    best = None
+    for n in candidates:
+        if n > smallest:
+            break
+        p = chunk_partition(graph, assignment, n, num_parts=num_parts)
+        need = estimate_device_bytes(model, chunk_sizes(graph, p.perm, p.chunk_ptr), itemsize,
+                                     num_nodes=graph.num_nodes)
+        best = (n, need) if best is None or need < best[1] else best
+        if budget is None or need <= budget:
+            return n, need
+    n, need = best
+    raise UserError(
+        f"engine.device_memory={format_size(budget)} is too small: even {n} chunks per part "
+        f"need {format_size(need)} on the device; raise engine.device_memory to at least "
+        f"{format_size(need * 1.1)}, or lower model.hidden")

@@ -1,0 +1,109 @@
+r"""Host buffers: every layer's representations, gradients and cached aggregates.
+
+Allocated once before training, as one slab each (pinned when the device is a
+GPU, so transfers are DMA). ``h^0`` is the input features as given — a
+memory-mapped array stays memory-mapped. Before anything is allocated, the
+plan is checked against the host memory that is available.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from hongtu.config import format_size
+from hongtu.errors import UserError
+
+__all__ = ["BufferPlan", "HostBuffers", "available_host_memory"]
+
+
+def available_host_memory() -> int:
+    """Bytes of host memory available now (``MemAvailable``; total RAM as a fallback)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass
+class BufferPlan:
+    """Shapes of the host buffers of an ``L``-layer model on ``N`` vertices.
+
+    Args:
+        num_nodes: vertex count ``N``.
+        widths: row widths of ``h^0 .. h^L``.
+        cached: ``cached[l]`` is true when layer ``l``'s aggregate is cached
+            (its width is ``widths[l]``: built-in aggregations keep the width).
+        itemsize: bytes per element.
+    """
+
+    num_nodes: int
+    widths: list[int]
+    cached: list[bool]
+    itemsize: int = 4
+
+    def entries(self) -> list[tuple[str, int]]:
+        """``(name, bytes)`` of every buffer that is allocated (h^0 is the input)."""
+        n, s = self.num_nodes, self.itemsize
+        out = []
+        L = len(self.widths) - 1
+        for l in range(1, L + 1):
+            out.append((f"h^{l}", n * self.widths[l] * s))
+            out.append((f"grad h^{l}", n * self.widths[l] * s))
+        for l in range(L):
+            if self.cached[l]:
+                out.append((f"a^{l}", n * self.widths[l] * s))
+        return out
+
+    def total_bytes(self) -> int:
+        return sum(b for _, b in self.entries())
+
+    def format(self) -> str:
+        rows = [f"  {name:<10} {format_size(b):>12}" for name, b in self.entries()]
+        rows.append(f"  {'total':<10} {format_size(self.total_bytes()):>12}")
+        return "\n".join(rows)
+
+    def check_host_memory(self, available: int | None = None) -> None:
+        """Raise :class:`UserError` when the buffers cannot fit in host memory."""
+        need = self.total_bytes()
+        avail = available_host_memory() if available is None else available
+        if need > avail:
+            raise UserError(
+                f"host memory too small: the buffers need {format_size(need)} but "
+                f"{format_size(avail)} is available; use fewer layers or a smaller hidden "
+                "width, engine.checkpoint=recompute (drops the cached aggregates), or more "
+                "machines (engine.devices)")
+
+
+class HostBuffers:
+    """The slabs of a :class:`BufferPlan`.
+
+    Attributes:
+        h: ``h[l]`` for ``l = 0..L`` (``h[0]`` wraps the input features).
+        grad: ``grad[l]`` for ``l = 1..L`` (``grad[0]`` is ``None``: inputs need no grad).
+        agg: ``agg[l]`` for cached layers, else ``None``.
+    """
+
+    def __init__(self, plan: BufferPlan, x: np.ndarray | Tensor, pin: bool,
+                 dtype: torch.dtype = torch.float32) -> None:
+        plan.check_host_memory()
+        n = plan.num_nodes
+        L = len(plan.widths) - 1
+
+        def slab(width: int) -> Tensor:
+            return torch.empty((n, width), dtype=dtype, pin_memory=pin)
+
+        x0 = x if isinstance(x, Tensor) else torch.from_numpy(np.asarray(x))
+        self.h: list[Tensor] = [x0.to(dtype)] + [slab(plan.widths[l]) for l in range(1, L + 1)]
+        self.grad: list[Tensor | None] = [None] + [slab(plan.widths[l]) for l in range(1, L + 1)]
+        self.agg: list[Tensor | None] = [slab(plan.widths[l]) if plan.cached[l] else None
+                                         for l in range(L)]
+        self.plan = plan

@@ -1,0 +1,247 @@
+r"""The training loop: from a :class:`~hongtu.config.Config` to a trained model.
+
+Setup (once): load and validate the graph, partition it (cached), pick the
+chunk count that fits the device budget, renumber, build the chunk blocks,
+print the memory plan, allocate the host buffers. Then one full-graph
+optimizer step per epoch, an evaluation pass, a line and a metrics record per
+epoch, and the final model under ``output.dir``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from hongtu.config import Config, format_size, parse_size
+from hongtu.engine.budget import chunk_sizes, choose_chunks, estimate_device_bytes
+from hongtu.engine.buffers import BufferPlan, HostBuffers
+from hongtu.engine.chunks import ChunkSet
+from hongtu.engine.executor import Executor
+from hongtu.errors import UserError
+from hongtu.graph import Graph
+from hongtu.nn.model import GNN, build_model
+from hongtu.partition import assign_parts, chunk_partition
+
+__all__ = ["Trainer", "resolve_device", "load_data"]
+
+log = logging.getLogger("hongtu")
+_RESULT_FILES = ("model.pt", "metrics.jsonl", "config.yaml")
+
+
+def resolve_device(accelerator: str, devices: int) -> torch.device:
+    """``auto | cpu | cuda`` to a device, with one clear error when it is not there."""
+    if devices > 1:
+        raise UserError(f"engine.devices={devices}: this version trains on one device; "
+                        "set engine.devices=1 (multi-GPU training is on the roadmap)")
+    if accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise UserError("engine.accelerator=cuda but no CUDA device is available "
+                            "(torch.cuda.is_available() is False); use engine.accelerator=cpu")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def load_data(cfg: Config) -> Graph:
+    """The graph named by ``cfg.data``, validated, with labels and a train split."""
+    from hongtu.graph.io import load_graph
+
+    d = cfg.data
+    graph = load_graph(d.path, undirected=d.undirected, self_loops=d.self_loops,
+                       normalize_features=d.normalize_features, num_features=d.num_features,
+                       seed=cfg.train.seed)
+    if graph.y is None or graph.train_mask is None:
+        raise UserError(f"{d.path}: the graph has no labels or train mask, so there is nothing "
+                        "to train on; add 'y' and 'train_mask' arrays to the dataset")
+    if not graph.train_mask.any():
+        raise UserError(f"{d.path}: the train mask selects no vertex; mark at least one "
+                        "vertex in 'train_mask'")
+    return graph
+
+
+class Trainer:
+    """Out-of-core full-graph training of ``cfg``.
+
+    Args:
+        cfg: the run's configuration.
+        overwrite: allow ``output.dir`` to hold an earlier run's results.
+        out: where epoch lines go (``print`` by default).
+        dtype: element type of buffers and parameters (float64 for oracle tests).
+    """
+
+    def __init__(self, cfg: Config, overwrite: bool = False,
+                 out: Callable[[str], None] = print, dtype: torch.dtype = torch.float32) -> None:
+        self.cfg = cfg
+        self.out = out
+        self.dtype = dtype
+        self.outdir = Path(cfg.output.dir)
+        if not overwrite:
+            existing = [f for f in _RESULT_FILES if (self.outdir / f).exists()]
+            if existing:
+                raise UserError(f"output.dir '{self.outdir}' already holds a run's results "
+                                f"({', '.join(existing)}); pass --overwrite to replace them, "
+                                "or set output.dir to a new directory")
+        e = cfg.engine
+        self.device = resolve_device(e.accelerator, e.devices)
+        t0 = time.perf_counter()
+        graph = load_data(cfg)
+        self.num_classes = graph.num_classes
+        torch.manual_seed(cfg.train.seed)
+        self.model: GNN = build_model(cfg.model, graph.num_features, self.num_classes)
+        self.model.to(device=self.device, dtype=dtype)
+        parts = e.devices if e.parts == "auto" else e.parts
+        assignment = assign_parts(graph, parts, method=e.partitioner, seed=cfg.train.seed,
+                                  cache_dir=e.cache_dir)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.budget = self._budget()
+        if e.chunks == "auto":
+            chunks, _ = choose_chunks(graph, assignment, parts, self.model, self.budget, itemsize)
+        else:
+            chunks = e.chunks
+        part_sizes = np.bincount(assignment, minlength=parts)
+        if chunks > part_sizes.min():
+            raise UserError(f"engine.chunks={chunks} but the smallest part has only "
+                            f"{part_sizes.min()} vertices; use engine.chunks ≤ {part_sizes.min()}")
+        self.partition = chunk_partition(graph, assignment, chunks, num_parts=parts,
+                                         method=e.partitioner, seed=cfg.train.seed)
+        sizes = chunk_sizes(graph, self.partition.perm, self.partition.chunk_ptr)
+        self.estimate = estimate_device_bytes(self.model, sizes, itemsize,
+                                              num_nodes=graph.num_nodes)
+        if self.budget is not None and self.estimate > self.budget:
+            raise UserError(f"engine.chunks={chunks} needs about {format_size(self.estimate)} "
+                            f"on the device but engine.device_memory is "
+                            f"{format_size(self.budget)}; use engine.chunks=auto or more chunks")
+        g = self.partition.apply(graph)
+        self.graph = g
+        self.chunks = ChunkSet.build(g, self.partition.chunk_ptr, parts, chunks, dtype)
+        cached = [bool(layer.cacheable and e.checkpoint == "auto") for layer in self.model.layers]
+        plan = BufferPlan(g.num_nodes, self.model.widths(), cached, itemsize)
+        self.out(self._plan_text(plan, parts, chunks))
+        buffers = HostBuffers(plan, g.x, pin=self.device.type == "cuda", dtype=dtype)
+        masks = {k: torch.from_numpy(np.asarray(getattr(g, f"{k}_mask") if getattr(
+            g, f"{k}_mask") is not None else np.zeros(g.num_nodes, bool)))
+            for k in ("train", "val", "test")}
+        self.executor = Executor(self.model, self.chunks, buffers, torch.from_numpy(
+            np.asarray(g.y, dtype=np.int64)), masks, self.device, e.checkpoint, cfg.train.seed)
+        self.optimizer = self._optimizer()
+        self.preprocess_s = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ setup
+    def _budget(self) -> int | None:
+        dm = self.cfg.engine.device_memory
+        if dm != "auto":
+            return parse_size(dm)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            return int(free * 0.9)
+        return None
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        t = self.cfg.train
+        if t.weight_decay_layers == "first":
+            first = list(self.model.layers[0].parameters())
+            rest = [p for layer in self.model.layers[1:] for p in layer.parameters()]
+            groups = [{"params": first, "weight_decay": t.weight_decay},
+                      {"params": rest, "weight_decay": 0.0}]
+            return torch.optim.Adam(groups, lr=t.lr)
+        return torch.optim.Adam(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+
+    def _plan_text(self, plan: BufferPlan, parts: int, chunks: int) -> str:
+        budget = "none" if self.budget is None else format_size(self.budget)
+        layers = ", ".join(repr(layer) + (" [cached]" if c else "")
+                           for layer, c in zip(self.model.layers, plan.cached))
+        return (f"graph {self.graph.name}: {self.graph.num_nodes} vertices, "
+                f"{self.graph.num_edges} edges, {self.graph.num_features} features, "
+                f"{self.num_classes} classes\n"
+                f"model: {layers}\n"
+                f"device {self.device}: {parts} part(s) x {chunks} chunk(s); "
+                f"estimated peak {format_size(self.estimate)} per batch (budget {budget})\n"
+                f"host buffers:\n{plan.format()}")
+
+    # ---------------------------------------------------------------- training
+    def fit(self, metrics_path: str | None = None, progress: bool | None = None) -> list[dict]:
+        """Train ``train.epochs`` epochs; returns the per-epoch records."""
+        cfg = self.cfg
+        self.outdir.mkdir(parents=True, exist_ok=True)
+        records = []
+        metrics = open(metrics_path, "a") if metrics_path else None
+        show = sys.stderr.isatty() if progress is None else progress
+        try:
+            for epoch in range(cfg.train.epochs):
+                rec = self.run_epoch(epoch, show)
+                records.append(rec)
+                self.out(_epoch_line(rec, cfg.train.epochs))
+                if metrics:
+                    metrics.write(json.dumps(rec) + "\n")
+                    metrics.flush()
+        finally:
+            if metrics:
+                metrics.close()
+        self.save()
+        return records
+
+    def run_epoch(self, epoch: int, progress: bool = False) -> dict:
+        """One optimizer step and (every ``eval_every`` epochs) an evaluation pass."""
+        ex = self.executor
+        evaluate = (epoch + 1) % self.cfg.train.eval_every == 0 or (
+            epoch + 1 == self.cfg.train.epochs)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=ex.batches_per_epoch(evaluate), desc=f"epoch {epoch}",
+                       leave=False, unit="chunk", file=sys.stderr)
+        tick = bar.update if bar else None
+        ex.mover.traffic.reset()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        t0 = time.perf_counter()
+        res = ex.step(epoch, progress=tick)
+        if not np.isfinite(res.loss):
+            raise FloatingPointError(f"epoch {epoch}: the loss is {res.loss}; lower train.lr "
+                                     "or check the input features")
+        self.optimizer.step()
+        acc = ex.evaluate(epoch, progress=tick) if evaluate else None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            peak, measured = torch.cuda.max_memory_allocated(self.device), True
+        else:
+            peak, measured = self.estimate, False
+        dt = time.perf_counter() - t0
+        if bar:
+            bar.close()
+        rec = {"epoch": epoch, "loss": res.loss,
+               "train_acc": acc.accuracy("train") if acc else None,
+               "val_acc": acc.accuracy("val") if acc else None,
+               "test_acc": acc.accuracy("test") if acc else None,
+               "epoch_s": dt, **ex.mover.traffic.as_dict(),
+               "peak_device_bytes": int(peak), "peak_measured": measured}
+        return rec
+
+    def save(self) -> Path:
+        """Write the model (with the id permutation) to ``output.dir/model.pt`` atomically."""
+        path = self.outdir / "model.pt"
+        tmp = path.with_suffix(".pt.tmp")
+        torch.save({"state_dict": self.model.state_dict(), "config": self.cfg.to_dict(),
+                    "perm": torch.from_numpy(self.partition.perm)}, tmp)
+        os.replace(tmp, path)
+        return path
+
+
+def _epoch_line(rec: dict, epochs: int) -> str:
+    def acc(k):
+        return "  -  " if rec[k] is None else f"{rec[k]:.4f}"
+
+    return (f"epoch {rec['epoch'] + 1:>4}/{epochs}  loss {rec['loss']:.4f}  "
+            f"train {acc('train_acc')}  val {acc('val_acc')}  test {acc('test_acc')}  "
+            f"{rec['epoch_s']:.3f} s  h2d {format_size(rec['h2d_bytes'])}  "
+            f"d2h {format_size(rec['d2h_bytes'])}  peak {format_size(rec['peak_device_bytes'])}"
+            f"{'' if rec['peak_measured'] else ' (est.)'}")

@@ -1,0 +1,52 @@
+r"""Graph convolution (Kipf & Welling, ICLR 2017)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from hongtu.nn.layer import GNNLayer
+
+__all__ = ["GCN"]
+
+
+class GCN(GNNLayer):
+    r"""Graph convolution with symmetric normalisation.
+
+    .. math::
+        h'_v = W \sum_{u \to v} \frac{1}{\sqrt{d_u d_v}} h_u + b
+
+    with :math:`d` the in-degree. Self-loops come from the graph
+    (``data.self_loops: true``), as ``GCNConv`` adds them. Aggregating before
+    the linear map makes the layer cacheable; the result equals PyG's
+    ``GCNConv`` with the same weights.
+
+    Args:
+        in_channels: input width.
+        out_channels: output width.
+        bias: add a learnable bias (default ``True``).
+
+    Example::
+
+        >>> conv = GCN(16, 4)
+        >>> conv
+        GCN(16, 4)
+    """
+
+    aggr = "gcn"
+    needs_dst = False
+
+    def __init__(self, in_channels: int, out_channels: int, bias: bool = True) -> None:
+        super().__init__(in_channels, out_channels)
+        self.lin = nn.Linear(in_channels, out_channels, bias=False)
+        self.bias = nn.Parameter(torch.empty(out_channels)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.xavier_uniform_(self.lin.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def update(self, a: Tensor, x_dst: Tensor | None) -> Tensor:
+        out = self.lin(a)
+        return out if self.bias is None else out + self.bias

@@ -1,0 +1,117 @@
+r"""The :class:`GNNLayer` base class: aggregate, then update.
+
+A layer maps the rows of its chunk's sources ``x_src`` (and its destinations'
+own rows ``x_dst``) to new destination rows. Two hooks, after PyG's
+``MessagePassing``:
+
+* :meth:`GNNLayer.aggregate` — by default the built-in, parameter-free linear
+  aggregation named by the class attribute ``aggr`` (``sum``, ``mean`` or
+  ``gcn``);
+* :meth:`GNNLayer.update` — the learnable part, applied to the aggregate and,
+  when ``needs_dst`` is true, to the destinations' own rows.
+
+A layer that keeps both defaults is *cacheable*: the engine stores its
+aggregate in host memory during forward, and in backward recomputes only
+:meth:`update`, getting the sources' gradient from the aggregation's
+transpose without reloading the neighbour rows. A layer that overrides
+:meth:`forward` (edge networks such as GAT, any custom message function) is
+recomputed in full in backward. Nothing else is needed from a subclass.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from hongtu.nn import ops
+from hongtu.nn.block import Block
+
+__all__ = ["GNNLayer"]
+
+
+class GNNLayer(nn.Module):
+    r"""Base class of every hongtu layer.
+
+    Args:
+        in_channels: width of the input rows.
+        out_channels: width of the output rows (see :attr:`out_width`).
+
+    Subclasses set ``aggr`` and implement :meth:`update`, or override
+    :meth:`forward` entirely. Example::
+
+        class MeanConv(GNNLayer):
+            aggr = "mean"
+            needs_dst = False
+
+            def __init__(self, in_channels, out_channels):
+                super().__init__(in_channels, out_channels)
+                self.lin = torch.nn.Linear(in_channels, out_channels)
+
+            def reset_parameters(self):
+                self.lin.reset_parameters()
+
+            def update(self, a, x_dst):
+                return self.lin(a)
+    """
+
+    #: built-in aggregation used by the default :meth:`aggregate`
+    aggr: str | None = None
+    #: whether :meth:`update` reads the destinations' own rows
+    needs_dst: bool = True
+
+    def __init__(self, in_channels: int, out_channels: int) -> None:
+        super().__init__()
+        self.in_channels = int(in_channels)
+        self.out_channels = int(out_channels)
+
+    @property
+    def out_width(self) -> int:
+        """Width of the rows this layer writes (``heads * out`` for concatenating GAT)."""
+        return self.out_channels
+
+    @property
+    def cacheable(self) -> bool:
+        """True when forward is exactly ``update(aggregate(x_src), x_dst)`` with a built-in op."""
+        cls = type(self)
+        return (self.aggr in ops.BUILTIN_AGGREGATIONS
+                and cls.forward is GNNLayer.forward
+                and cls.aggregate is GNNLayer.aggregate)
+
+    def reset_parameters(self) -> None:
+        """Re-initialise the parameters (subclasses override)."""
+
+    def aggregate(self, block: Block, x_src: Tensor) -> Tensor:
+        """The built-in aggregation ``A_aggr @ x_src``: ``(num_src, F) -> (num_dst, F)``."""
+        if self.aggr not in ops.BUILTIN_AGGREGATIONS:
+            raise NotImplementedError(
+                f"{type(self).__name__} sets no built-in aggr ({ops.BUILTIN_AGGREGATIONS}); "
+                "set one or override forward()")
+        return ops.aggregate(block, x_src, self.aggr)
+
+    def update(self, a: Tensor, x_dst: Tensor | None) -> Tensor:
+        """The learnable part: aggregate (and own rows) to output rows."""
+        raise NotImplementedError(f"{type(self).__name__} must implement update() or forward()")
+
+    def forward(self, block: Block, x_src: Tensor, x_dst: Tensor | None) -> Tensor:
+        """Compute the destinations' new rows.
+
+        Shapes:
+            ``x_src``: ``(num_src, in)``; ``x_dst``: ``(num_dst, in)``;
+            result ``(num_dst, out_width)``.
+        """
+        return self.update(self.aggregate(block, x_src), x_dst)
+
+    def extra_device_bytes(self, num_src: int, num_dst: int, num_edges: int,
+                           itemsize: int) -> int:
+        """Device bytes of intermediates beyond inputs, outputs and the block.
+
+        Used by the memory planner to pick a chunk count; layers with per-edge
+        tensors (attention) override it.
+        """
+        return 2 * num_dst * max(self.in_channels, self.out_width) * itemsize
+
+    def extra_repr(self) -> str:
+        return ""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.in_channels}, {self.out_channels})"
+

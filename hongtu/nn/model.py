@@ -1,0 +1,169 @@
+r"""A stack of :class:`GNNLayer` s with input dropout and activations.
+
+The engine drives the model one layer and one chunk at a time through the
+``step_*`` methods; :meth:`GNN.full_forward` runs the same computation on a
+single block that spans the whole graph (the in-memory reference).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from hongtu.errors import UserError
+from hongtu.nn import ops
+from hongtu.nn.block import Block
+from hongtu.nn.layer import GNNLayer
+
+__all__ = ["GNN", "build_model", "resolve_layer", "layer_seed"]
+
+_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"relu": F.relu, "elu": F.elu}
+_M64 = (1 << 64) - 1
+
+
+def layer_seed(seed: int, epoch: int, layer: int) -> int:
+    """The dropout stream of (run seed, epoch, layer): a 63-bit splitmix64 hash."""
+    z = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + layer * 0x94D049BB133111EB) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return (z ^ (z >> 31)) >> 1
+
+
+class GNN(nn.Module):
+    r"""``L`` layers; layer ``l`` reads ``dropout(h^l)`` and writes ``h^{l+1}``.
+
+    .. math::
+        h^{l+1} = \sigma\big(f_l(\mathrm{drop}(h^l))\big), \quad \sigma = \mathrm{id} \text{ on the last layer}
+
+    Args:
+        layers: the layers, first to last.
+        dropout: drop probability on every layer's input.
+        activation: ``relu`` or ``elu``.
+    """
+
+    def __init__(self, layers: list[GNNLayer], dropout: float = 0.0,
+                 activation: str = "relu") -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.p = float(dropout)
+        self.activation = activation
+        self._act = _ACTIVATIONS[activation]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def widths(self) -> list[int]:
+        """Row width of ``h^0 .. h^L``."""
+        return [self.layers[0].in_channels] + [layer.out_width for layer in self.layers]
+
+    def _drop(self, x: Tensor, ids: Tensor, seed: int) -> Tensor:
+        return ops.dropout(x, ids, self.p, seed, self.training)
+
+    def _finish(self, l: int, out: Tensor) -> Tensor:
+        return out if l == self.num_layers - 1 else self._act(out)
+
+    # ---------------------------------------------------------- engine steps
+    def step_forward(self, l: int, block: Block, x_src: Tensor, x_dst: Tensor | None,
+                     seed: int) -> Tensor:
+        """Full layer ``l`` on one chunk: ``h^{l+1}[V]`` from ``h^l[N]`` and ``h^l[V]``."""
+        layer = self.layers[l]
+        block.seed = seed
+        xs = self._drop(x_src, block.src_ids, seed)
+        xd = self._drop(x_dst, block.dst_ids(), seed) if x_dst is not None else None
+        return self._finish(l, layer(block, xs, xd))
+
+    def step_aggregate(self, l: int, block: Block, x_src: Tensor, seed: int) -> Tensor:
+        """Cacheable layers: the aggregate ``a^l[V] = A drop(h^l[N])``."""
+        block.seed = seed
+        return self.layers[l].aggregate(block, self._drop(x_src, block.src_ids, seed))
+
+    def step_update(self, l: int, block: Block, a: Tensor, x_dst: Tensor | None,
+                    seed: int) -> Tensor:
+        """Cacheable layers: ``h^{l+1}[V]`` from the aggregate and the own rows."""
+        block.seed = seed
+        xd = self._drop(x_dst, block.dst_ids(), seed) if x_dst is not None else None
+        return self._finish(l, self.layers[l].update(a, xd))
+
+    def step_aggregate_transpose(self, l: int, block: Block, grad_a: Tensor,
+                                 seed: int) -> Tensor:
+        """Cacheable layers: ``∇h^l[N]`` contributed through the aggregate."""
+        g = ops.aggregate_transpose(block, grad_a, self.layers[l].aggr)
+        if self.training and self.p > 0:
+            # Dropout is diagonal: its transpose is the same mask and scale.
+            g = self._drop(g, block.src_ids, seed)
+        return g
+
+    # ---------------------------------------------------------------- oracle
+    def full_forward(self, block: Block, x: Tensor, seeds: list[int]) -> Tensor:
+        """All layers on one block spanning the graph.
+
+        The block must read every vertex as a source (``build_block(...,
+        src_ids=np.arange(N))``), so that ``h`` serves as both ``x_src`` and ``x_dst``.
+        """
+        if block.num_src != x.shape[0] or block.num_dst != x.shape[0]:
+            raise ValueError("full_forward needs a block over all vertices "
+                             "(build_block(..., src_ids=np.arange(N)))")
+        h = x
+        for l in range(self.num_layers):
+            h = self.step_forward(l, block, h, h if self.layers[l].needs_dst else None, seeds[l])
+        return h
+
+
+# ------------------------------------------------------------------ builder
+def _builtin_layers() -> dict[str, type]:
+    from hongtu.nn import gat, gcn, gin, sage
+
+    return {"gcn": gcn.GCN, "sage": sage.SAGE, "gin": gin.GIN, "gat": gat.GAT}
+
+
+def resolve_layer(name: str) -> type:
+    """``gcn`` | ``sage`` | ``gin`` | ``gat`` or ``package.module:ClassName`` to a class."""
+    builtins = _builtin_layers()
+    if name in builtins:
+        return builtins[name]
+    mod_name, _, cls_name = name.partition(":")
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise UserError(f"model.layer '{name}': cannot import module '{mod_name}' ({e}); "
+                        "check the dotted path and that the package is on PYTHONPATH") from None
+    obj = module
+    for part in cls_name.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise UserError(f"model.layer '{name}': module '{mod_name}' has no '{cls_name}'")
+    if not (isinstance(obj, type) and issubclass(obj, GNNLayer)):
+        raise UserError(f"model.layer '{name}' is not a subclass of hongtu.nn.GNNLayer; "
+                        "derive your layer from GNNLayer")
+    return obj
+
+
+def build_model(cfg, in_dim: int, num_classes: int) -> GNN:
+    """Build the :class:`GNN` described by a :class:`~hongtu.config.ModelConfig`."""
+    cls = resolve_layer(cfg.layer)
+    layers: list[GNNLayer] = []
+    width = in_dim
+    for l in range(cfg.layers):
+        last = l == cfg.layers - 1
+        out = num_classes if last else cfg.hidden
+        if cfg.layer == "gat":
+            layer = cls(width, out, heads=cfg.out_heads if last else cfg.heads,
+                        concat=not last, dropout=cfg.dropout)
+        else:
+            layer = cls(width, out)
+        layers.append(layer)
+        width = layer.out_width
+    return GNN(layers, dropout=cfg.dropout, activation=cfg.activation)
+
+
+def reference_loss(model: GNN, block: Block, x: Tensor, y: Tensor, train_mask: Tensor,
+                   seeds: list[int]) -> Tensor:
+    """In-memory full-graph loss: the quantity the engine reproduces exactly."""
+    out = model.full_forward(block, x, seeds)
+    return F.cross_entropy(out[train_mask], y[train_mask], reduction="sum") / max(
+        int(train_mask.sum()), 1)
+

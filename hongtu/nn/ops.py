@@ -1,0 +1,204 @@
+r"""Graph operations on a :class:`~hongtu.nn.block.Block`, each with its transpose.
+
+Layers are built from these. The aggregation ops are linear in the source
+rows, ``a = A x_src`` with ``A`` the block's (weighted) adjacency, and their
+gradient is the explicit transpose ``∇x_src = Aᵀ ∇a``; the engine uses that
+transpose directly when it caches ``a`` instead of recomputing it.
+
+Dropout is counter-based: whether element ``(v, k)`` is dropped depends only on
+the seed, the global vertex (or edge) id ``v`` and the column ``k``. A row
+therefore gets the same mask in every chunk that reads it and again when the
+engine recomputes it in backward.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from torch import Tensor
+
+from hongtu.nn.block import Block
+
+__all__ = [
+    "BUILTIN_AGGREGATIONS", "aggregate", "aggregate_transpose", "edge_weights", "spmm",
+    "gather_src", "gather_dst", "scatter_dst", "edge_softmax", "dropout", "dropout_mask",
+]
+
+BUILTIN_AGGREGATIONS = ("sum", "mean", "gcn")
+
+# torch flags CSR support as beta on every construction; it is what DESIGN.md asks for.
+warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+
+
+# ------------------------------------------------------------------ sparse core
+def _csr_mm(indptr: Tensor, indices: Tensor, values: Tensor, x: Tensor, nrows: int) -> Tensor:
+    """``A @ x`` for a CSR matrix ``A`` of shape ``(nrows, len(x))``."""
+    if indices.numel() == 0 or x.shape[0] == 0:
+        return x.new_zeros((nrows,) + tuple(x.shape[1:]))
+    shape = x.shape
+    x2 = x.reshape(shape[0], -1)
+    a = torch.sparse_csr_tensor(indptr, indices, values.to(x.dtype), size=(nrows, shape[0]),
+                                check_invariants=False)
+    return (a @ x2).reshape((nrows,) + tuple(shape[1:]))
+
+
+def _spmm_t(block: Block, values: Tensor, g: Tensor) -> Tensor:
+    """``Aᵀ @ g`` through the block's stored transpose."""
+    return _csr_mm(block.t_indptr, block.t_indices, values[block.t_perm], g, block.num_src)
+
+
+class _SpMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, values: Tensor, block: Block) -> Tensor:
+        ctx.block = block
+        ctx.save_for_backward(x, values)
+        return _csr_mm(block.indptr, block.indices, values, x, block.num_dst)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        x, values = ctx.saved_tensors
+        block = ctx.block
+        gx = _spmm_t(block, values, g) if ctx.needs_input_grad[0] else None
+        gv = None
+        if ctx.needs_input_grad[1]:
+            # An explicit width: reshape(0, -1) is ambiguous on empty blocks.
+            width = math.prod(x.shape[1:])
+            gv = (g.reshape(g.shape[0], width)[block.edge_dst()]
+                  * x.reshape(x.shape[0], width)[block.indices]).sum(-1)
+        return gx, gv, None
+
+
+def spmm(block: Block, x: Tensor, values: Tensor) -> Tensor:
+    r"""Weighted sum over in-edges: :math:`a_v = \sum_{(u,v)} w_{uv} x_u`.
+
+    Differentiable in ``x`` (through the stored transpose) and in ``values``.
+
+    Shapes:
+        ``x``: ``(num_src, *)``; ``values``: ``(E,)``; result ``(num_dst, *)``.
+    """
+    return _SpMM.apply(x, values, block)
+
+
+def edge_weights(block: Block, op: str, dtype: torch.dtype) -> Tensor:
+    r"""Per-edge weights of a built-in aggregation.
+
+    ``sum``: 1; ``mean``: :math:`1/d_v`; ``gcn``: :math:`1/\sqrt{d_u d_v}` with
+    :math:`d` the in-degree (self-loops included when the graph has them), as
+    PyG's ``gcn_norm``.
+    """
+    key = ("w", op, dtype)
+    if key not in block._cache:
+        dst = block.edge_dst()
+        if op == "sum":
+            w = torch.ones(block.num_edges, dtype=dtype, device=block.device)
+        elif op == "mean":
+            w = 1.0 / block.dst_in_deg.to(dtype).clamp(min=1)[dst]
+        elif op == "gcn":
+            inv_sqrt_src = block.src_in_deg.to(dtype).clamp(min=1).rsqrt()
+            inv_sqrt_dst = block.dst_in_deg.to(dtype).clamp(min=1).rsqrt()
+            w = inv_sqrt_src[block.indices] * inv_sqrt_dst[dst]
+        else:
+            raise ValueError(f"unknown aggregation '{op}'; built-ins: {BUILTIN_AGGREGATIONS}")
+        block._cache[key] = w
+    return block._cache[key]
+
+
+def aggregate(block: Block, x: Tensor, op: str) -> Tensor:
+    """Built-in parameter-free linear aggregation ``A_op @ x`` (differentiable)."""
+    return spmm(block, x, edge_weights(block, op, x.dtype))
+
+
+def aggregate_transpose(block: Block, g: Tensor, op: str) -> Tensor:
+    """The transpose of :func:`aggregate`: ``A_opᵀ @ g`` (``(num_dst,*) -> (num_src,*)``)."""
+    return _spmm_t(block, edge_weights(block, op, g.dtype), g)
+
+
+# --------------------------------------------------------------- edge helpers
+def gather_src(block: Block, x_src: Tensor) -> Tensor:
+    """Source row of every edge: ``(num_src, *) -> (E, *)``."""
+    return x_src.index_select(0, block.indices)
+
+
+def gather_dst(block: Block, x_dst: Tensor) -> Tensor:
+    """Destination row of every edge: ``(num_dst, *) -> (E, *)``."""
+    return x_dst.index_select(0, block.edge_dst())
+
+
+def scatter_dst(block: Block, messages: Tensor, reduce: str = "sum") -> Tensor:
+    """Reduce edge messages onto destinations: ``(E, *) -> (num_dst, *)``.
+
+    ``reduce`` is ``sum`` or ``mean`` (mean over the destination's in-edges).
+    """
+    out = messages.new_zeros((block.num_dst,) + tuple(messages.shape[1:]))
+    out = out.index_add(0, block.edge_dst(), messages)
+    if reduce == "mean":
+        deg = block.dst_in_deg.to(messages.dtype).clamp(min=1)
+        out = out / deg.view((-1,) + (1,) * (messages.dim() - 1))
+    elif reduce != "sum":
+        raise ValueError(f"scatter_dst reduce must be 'sum' or 'mean', got '{reduce}'")
+    return out
+
+
+def edge_softmax(block: Block, scores: Tensor) -> Tensor:
+    r"""Softmax of edge scores over each destination's full in-edge set.
+
+    Shapes:
+        ``scores``: ``(E,)`` or ``(E, H)``; result the same shape.
+    """
+    dst = block.edge_dst()
+    idx = dst.view((-1,) + (1,) * (scores.dim() - 1)).expand_as(scores)
+    shape = (block.num_dst,) + tuple(scores.shape[1:])
+    # The max shift is a constant for the gradient: detach it (as PyG does).
+    smax = scores.new_full(shape, float("-inf")).scatter_reduce(
+        0, idx, scores.detach(), "amax", include_self=True)
+    ex = (scores - smax.index_select(0, dst)).exp()
+    den = ex.new_zeros(shape).index_add(0, dst, ex)
+    return ex / den.index_select(0, dst)
+
+
+# -------------------------------------------------------------------- dropout
+_M32 = 0xFFFFFFFF
+
+
+def _mulmod32(h: Tensor, c: int) -> Tensor:
+    # (h * c) mod 2^32 without int64 overflow: split c into 16-bit halves.
+    return (h * (c & 0xFFFF) + (((h * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(h: Tensor) -> Tensor:
+    h = h ^ (h >> 16)
+    h = _mulmod32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mulmod32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def dropout_mask(ids: Tensor, width: int, p: float, seed: int) -> Tensor:
+    """Keep-mask ``(len(ids), width)``: a function of (seed, id, column) only."""
+    ids = ids.to(torch.int64)
+    cols = torch.arange(width, device=ids.device, dtype=torch.int64)
+    key = ids.view(-1, 1) * width + cols.view(1, -1)
+    s = seed & _M32
+    h = _fmix32((key >> 32) ^ s)
+    h = _fmix32((key & _M32) ^ h ^ ((seed >> 32) & _M32))
+    threshold = int(p * 4294967296.0)
+    return h >= threshold
+
+
+def dropout(x: Tensor, ids: Tensor, p: float, seed: int, training: bool = True) -> Tensor:
+    r"""Inverted dropout whose mask depends on global row ids, not on call order.
+
+    Args:
+        x: ``(len(ids), *)`` rows to drop from.
+        ids: global vertex or edge id of each row.
+        p: drop probability.
+        seed: the stream; the engine derives one per (epoch, layer).
+        training: identity when ``False`` or ``p == 0``.
+    """
+    if not training or p <= 0.0 or x.numel() == 0:
+        return x
+    width = x[0].numel()
+    mask = dropout_mask(ids, width, p, seed).view(x.shape)
+    return x * mask.to(x.dtype) * (1.0 / (1.0 - p))
