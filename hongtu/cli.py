@@ -36,14 +36,16 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("train", parents=[common], help="train a GNN on the whole graph, chunk by chunk",
+    p = sub.add_parser("train", parents=[common],
+                       help="train a GNN on the whole graph, chunk by chunk",
                        description="Train the model of CONFIG out of core.")
     _add_config(p)
     p.add_argument("--metrics", metavar="FILE", help="write one JSON line per epoch to FILE")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier run in output.dir")
 
-    p = sub.add_parser("partition", parents=[common], help="partition the graph and print the partition summary",
+    p = sub.add_parser("partition", parents=[common],
+                       help="partition the graph and print the partition summary",
                        description="Run the 2-level partitioner of CONFIG (cached) and print "
                                    "edge balance, cut edges and replication factor.")
     _add_config(p)

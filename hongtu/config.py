@@ -137,10 +137,10 @@ class EngineConfig:
 
     accelerator: Literal["auto", "cpu", "cuda"] = _f("auto", "auto | cpu | cuda")
     devices: int = _f(1, "processes / GPUs", lo=1, hi=4096)
-    parts: Union[Auto, int] = _f("auto", "METIS parts; auto = devices", lo=1)
-    chunks: Union[Auto, int] = _f("auto", "chunks per part; auto = fewest that fit device_memory",
+    parts: Auto | int = _f("auto", "METIS parts; auto = devices", lo=1)
+    chunks: Auto | int = _f("auto", "chunks per part; auto = fewest that fit device_memory",
                                   lo=1)
-    device_memory: Union[Auto, str, int] = _f(
+    device_memory: Auto | str | int = _f(
         "auto", "device memory budget, e.g. 8GiB; auto = what the device has", check=_check_size)
     partitioner: Literal["metis", "range", "random"] = _f("metis", "metis | range | random")
     checkpoint: Literal["auto", "recompute"] = _f(
@@ -239,11 +239,11 @@ def _build(cls: type, raw: Any, prefix: str, where: str) -> Any:
             raise UserError(f"{where}: '{key}' is {raw[name]!r}; expected {_type_name(tp)} "
                             f"({f.metadata['doc']})")
         lo, hi = f.metadata.get("lo"), f.metadata.get("hi")
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if (lo is not None and value < lo) or (hi is not None and value > hi):
-                rng = f"≥ {lo}" if hi is None else f"between {lo} and {hi}"
-                raise UserError(f"{where}: '{key}' is {value}; it must be {rng} "
-                                f"({f.metadata['doc']})")
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if number and ((lo is not None and value < lo) or (hi is not None and value > hi)):
+            rng = f"≥ {lo}" if hi is None else f"between {lo} and {hi}"
+            raise UserError(f"{where}: '{key}' is {value}; it must be {rng} "
+                            f"({f.metadata['doc']})")
         check = f.metadata.get("check")
         problem = check(value) if check else None
         if problem:

@@ -36,7 +36,7 @@ class ChunkSet:
 
     @classmethod
     def build(cls, graph: Graph, chunk_ptr: np.ndarray, num_parts: int, num_chunks: int,
-              dtype: torch.dtype = torch.float32) -> "ChunkSet":
+              dtype: torch.dtype = torch.float32) -> ChunkSet:
         """Cut every chunk's block out of ``graph`` (already renumbered)."""
         in_deg = graph.in_degree()
         blocks = [build_block(graph.indptr, graph.indices, in_deg, int(chunk_ptr[c]),

@@ -166,7 +166,8 @@ class Executor:
                     x_dst = mv.load_range(buf.h[l], v0, v1, "dst").detach().requires_grad_(need_in)
                 with torch.enable_grad():
                     if self.cached[l]:
-                        a = mv.load_range(buf.agg[l], v0, v1, "aux").detach().requires_grad_(need_in)
+                        a = mv.load_range(buf.agg[l], v0, v1, "aux")
+                        a = a.detach().requires_grad_(need_in)
                         out = model.step_update(l, block, a, x_dst, seed)
                         _backward(out, g_out)
                         g_src = (model.step_aggregate_transpose(l, block, a.grad, seed)

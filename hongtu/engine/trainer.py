@@ -14,14 +14,14 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
 
 from hongtu.config import Config, format_size, parse_size
-from hongtu.engine.budget import chunk_sizes, choose_chunks, estimate_device_bytes
+from hongtu.engine.budget import choose_chunks, chunk_sizes, estimate_device_bytes
 from hongtu.engine.buffers import BufferPlan, HostBuffers
 from hongtu.engine.chunks import ChunkSet
 from hongtu.engine.executor import Executor
@@ -139,7 +139,7 @@ class Trainer:
         if dm != "auto":
             return parse_size(dm)
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
+            free, _total = torch.cuda.mem_get_info(self.device)
             return int(free * 0.9)
         return None
 

@@ -16,6 +16,16 @@ def _gather_ranges(values, indptr, order, new_indptr, out):
             out[o + t] = values[s + t]
 
 
+@numba.njit(cache=True)
+def bucket_fill(src, dst, indptr, out):
+    """Scatter ``src`` into CSC order by ``dst``, keeping input order per destination."""
+    cursor = indptr[:-1].copy()
+    for k in range(dst.shape[0]):
+        d = dst[k]
+        out[cursor[d]] = src[k]
+        cursor[d] += 1
+
+
 def gather_ranges(values: np.ndarray, indptr: np.ndarray, order: np.ndarray,
                   new_indptr: np.ndarray) -> np.ndarray:
     """Concatenate the CSR segments of ``values`` listed in ``order``."""

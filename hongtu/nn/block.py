@@ -92,7 +92,7 @@ class Block:
         """Local source position of each edge (CSR order)."""
         return self.indices
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Block":
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Block:
         """A copy with every tensor on ``device`` (the per-pass cache is dropped)."""
         kw = {}
         for f in fields(self):

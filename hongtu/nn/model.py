@@ -8,7 +8,9 @@ single block that spans the whole graph (the in-memory reference).
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+import os
+import sys
+from collections.abc import Callable
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -36,7 +38,9 @@ class GNN(nn.Module):
     r"""``L`` layers; layer ``l`` reads ``dropout(h^l)`` and writes ``h^{l+1}``.
 
     .. math::
-        h^{l+1} = \sigma\big(f_l(\mathrm{drop}(h^l))\big), \quad \sigma = \mathrm{id} \text{ on the last layer}
+        h^{l+1} = \sigma\big(f_l(\mathrm{drop}(h^l))\big)
+
+    with :math:`\sigma` the identity on the last layer.
 
     Args:
         layers: the layers, first to last.
@@ -126,6 +130,10 @@ def resolve_layer(name: str) -> type:
     if name in builtins:
         return builtins[name]
     mod_name, _, cls_name = name.partition(":")
+    # The `hongtu` script's sys.path lacks the working directory; a user's
+    # module next to their config is found there, as with `python -m`.
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(mod_name)
     except ImportError as e:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 import warnings
 
+import numba
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -175,15 +177,51 @@ def _fmix32(h: Tensor) -> Tensor:
     return h ^ (h >> 16)
 
 
+@numba.njit(inline="always")
+def _fmix32_nb(h):
+    m = np.uint64(0xFFFFFFFF)
+    h = h ^ (h >> np.uint64(16))
+    h = (h * np.uint64(0x85EBCA6B)) & m
+    h = h ^ (h >> np.uint64(13))
+    h = (h * np.uint64(0xC2B2AE35)) & m
+    return h ^ (h >> np.uint64(16))
+
+
+@numba.njit(parallel=True, cache=True)
+def _mask_kernel(ids, width, seed_lo, seed_hi, threshold, out):
+    m = np.uint64(0xFFFFFFFF)
+    w = np.uint64(width)
+    for i in numba.prange(ids.shape[0]):
+        base = np.uint64(ids[i]) * w
+        for k in range(width):
+            key = base + np.uint64(k)
+            h = _fmix32_nb((key >> np.uint64(32)) ^ seed_lo)
+            h = _fmix32_nb((key & m) ^ h ^ seed_hi)
+            out[i, k] = h >= threshold
+
+
 def dropout_mask(ids: Tensor, width: int, p: float, seed: int) -> Tensor:
-    """Keep-mask ``(len(ids), width)``: a function of (seed, id, column) only."""
+    """Keep-mask ``(len(ids), width)``: a function of (seed, id, column) only.
+
+    On CPU a parallel numba kernel computes it; elsewhere the same hash runs
+    as tensor ops (the two agree bit for bit).
+    """
+    threshold = int(p * 4294967296.0)
+    if ids.device.type == "cpu":
+        out = np.empty((ids.shape[0], width), dtype=np.bool_)
+        _mask_kernel(ids.numpy().astype(np.int64, copy=False), width, np.uint64(seed & _M32),
+                     np.uint64((seed >> 32) & _M32), np.uint64(threshold), out)
+        return torch.from_numpy(out)
+    return _dropout_mask_torch(ids, width, threshold, seed)
+
+
+def _dropout_mask_torch(ids: Tensor, width: int, threshold: int, seed: int) -> Tensor:
     ids = ids.to(torch.int64)
     cols = torch.arange(width, device=ids.device, dtype=torch.int64)
     key = ids.view(-1, 1) * width + cols.view(1, -1)
     s = seed & _M32
     h = _fmix32((key >> 32) ^ s)
     h = _fmix32((key & _M32) ^ h ^ ((seed >> 32) & _M32))
-    threshold = int(p * 4294967296.0)
     return h >= threshold
 
 

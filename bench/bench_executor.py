@@ -1,0 +1,182 @@
+"""Out-of-core executor vs PyG in memory on one device (issue 3's benchmark).
+
+An R-MAT graph (default scale 22: 4.2M vertices, ~64M edges, 128 features),
+a 3-layer GCN (hidden 256). hongtu runs with ``engine.device_memory`` set to a
+quarter of what the same model needs in one chunk (its own estimate), so it
+must go out of core; PyG 2.x runs the same model in memory with a normalised
+torch CSR adjacency (``GCNConv(normalize=False)`` on ``adj_t``) as the
+reference time. Both in one run, as a ratio.
+
+Run (GPU machine)::
+
+    python bench/bench_executor.py --scale 22 --epochs 3
+
+Prints a table and writes ``bench/results/executor_<device>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from hongtu.graph.datasets import load_builtin
+
+from hongtu.config import config_from_dict, format_size
+from hongtu.engine.budget import chunk_sizes, estimate_device_bytes
+from hongtu.engine.trainer import Trainer
+from hongtu.graph.transforms import add_self_loops
+from hongtu.nn.model import build_model
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"cpu-{platform.node()}"
+
+
+def hongtu_run(args, budget: int | None, chunks) -> dict:
+    cfg = config_from_dict({
+        "data": {"path": f"builtin:rmat-{args.scale}", "undirected": False, "self_loops": True},
+        "model": {"layer": "gcn", "hidden": args.hidden, "layers": args.layers,
+                  "dropout": 0.5},
+        "train": {"epochs": args.epochs, "seed": 0},
+        "engine": {"accelerator": args.accelerator, "chunks": chunks,
+                   "device_memory": budget if budget else "auto", "partitioner": "range"},
+        "output": {"dir": str(Path(args.workdir) / "run")},
+    })
+    tr = Trainer(cfg, overwrite=True, out=lambda s: print(s, flush=True))
+    recs = [tr.run_epoch(e) for e in range(args.epochs)]
+    steady = recs[1:] or recs
+    return {
+        "chunks": tr.partition.num_chunks,
+        "budget_bytes": budget,
+        "estimate_bytes": tr.estimate,
+        "preprocess_s": tr.preprocess_s,
+        "epoch_s": [r["epoch_s"] for r in recs],
+        "median_epoch_s": statistics.median(r["epoch_s"] for r in steady),
+        "h2d_bytes": steady[-1]["h2d_bytes"],
+        "d2h_bytes": steady[-1]["d2h_bytes"],
+        "peak_device_bytes": max(r["peak_device_bytes"] for r in steady),
+        "peak_measured": steady[-1]["peak_measured"],
+        "loss": [r["loss"] for r in recs],
+        "graph": tr.graph,
+    }
+
+
+def pyg_run(graph, args, device) -> dict:
+    """Same model in memory with PyG's GCNConv on a normalised torch CSR adjacency."""
+    try:
+        from torch_geometric.nn import GCNConv
+    except ImportError:
+        return {"status": "torch_geometric not installed"}
+    n = graph.num_nodes
+    try:
+        deg = torch.from_numpy(graph.in_degree()).double().clamp(min=1)
+        col = torch.from_numpy(graph.indices.astype(np.int64))
+        row = torch.repeat_interleave(torch.arange(n), torch.from_numpy(graph.in_degree()))
+        w = (deg[col].rsqrt() * deg[row].rsqrt()).float()
+        # adj_t[dst, src] = w: rows are destinations, the CSR we already have.
+        adj_t = torch.sparse_csr_tensor(torch.from_numpy(graph.indptr), col, w,
+                                        size=(n, n)).to(device)
+        x = torch.from_numpy(np.asarray(graph.x)).to(device)
+        y = torch.from_numpy(np.asarray(graph.y)).to(device)
+        mask = torch.from_numpy(graph.train_mask).to(device)
+        dims = [graph.num_features] + [args.hidden] * (args.layers - 1) + [int(graph.y.max()) + 1]
+        convs = torch.nn.ModuleList(GCNConv(a, b, normalize=False)
+                                    for a, b in zip(dims[:-1], dims[1:])).to(device)
+        opt = torch.optim.Adam(convs.parameters(), lr=0.01)
+        times = []
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        for _ in range(args.epochs):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            h = x
+            for i, conv in enumerate(convs):
+                h = torch.nn.functional.dropout(h, 0.5, training=True)
+                h = conv(h, adj_t)
+                if i < len(convs) - 1:
+                    h = h.relu()
+            loss = torch.nn.functional.cross_entropy(h[mask], y[mask])
+            loss.backward()
+            opt.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        return {"status": "ok", "epoch_s": times,
+                "median_epoch_s": statistics.median(times[1:] or times),
+                "peak_device_bytes": peak}
+    except torch.cuda.OutOfMemoryError:
+        return {"status": "OOM"}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scale", type=int, default=22)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--accelerator", default="auto")
+    ap.add_argument("--fraction", type=float, default=0.25,
+                    help="device budget as a fraction of the in-memory need")
+    ap.add_argument("--workdir", default="/tmp/hongtu_bench")
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--skip-pyg", action="store_true")
+    args = ap.parse_args()
+
+    # The in-memory need: the engine's own estimate with the whole graph as one chunk.
+    t0 = time.perf_counter()
+    graph = add_self_loops(load_builtin(f"rmat-{args.scale}"))
+    gen_s = time.perf_counter() - t0
+    model = build_model(config_from_dict({"model": {"hidden": args.hidden,
+                                                    "layers": args.layers}}).model,
+                        graph.num_features, graph.num_classes)
+    ptr = np.array([0, graph.num_nodes], dtype=np.int64)
+    need = estimate_device_bytes(model, chunk_sizes(graph, np.arange(graph.num_nodes), ptr),
+                                 num_nodes=graph.num_nodes)
+    budget = int(need * args.fraction)
+    print(f"graph rmat-{args.scale}: {graph.num_nodes} vertices, {graph.num_edges} edges "
+          f"(generated in {gen_s:.1f} s); in-memory need {format_size(need)}, "
+          f"budget {format_size(budget)}", flush=True)
+    ht = hongtu_run(args, budget, "auto")
+    g = ht.pop("graph")
+    device = torch.device("cuda" if torch.cuda.is_available() and args.accelerator != "cpu"
+                          else "cpu")
+    pyg = {"status": "skipped"} if args.skip_pyg else pyg_run(g, args, device)
+    result = {"device": device_name(), "scale": args.scale, "num_nodes": g.num_nodes,
+              "num_edges": g.num_edges, "hidden": args.hidden, "layers": args.layers,
+              "in_memory_need_bytes": need, "hongtu": ht, "pyg": pyg}
+    if pyg.get("status") == "ok":
+        result["hongtu_over_pyg"] = ht["median_epoch_s"] / pyg["median_epoch_s"]
+    rows = [("system", "epoch s", "peak device", "h2d", "d2h"),
+            ("hongtu (%d chunks)" % ht["chunks"], f"{ht['median_epoch_s']:.3f}",
+             format_size(ht["peak_device_bytes"]), format_size(ht["h2d_bytes"]),
+             format_size(ht["d2h_bytes"]))]
+    if pyg.get("status") == "ok":
+        rows.append(("PyG in memory", f"{pyg['median_epoch_s']:.3f}",
+                     format_size(pyg["peak_device_bytes"] or 0), "-", "-"))
+    else:
+        rows.append(("PyG in memory", pyg.get("status"), "-", "-", "-"))
+    for r in rows:
+        print(f"{r[0]:<22}{r[1]:>10}{r[2]:>14}{r[3]:>14}{r[4]:>14}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "".join(c if c.isalnum() else "-" for c in result["device"]).strip("-").lower()
+    path = out / f"executor_{name}.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

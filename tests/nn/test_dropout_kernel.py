@@ -1,0 +1,23 @@
+"""The numba dropout kernel (CPU) and the tensor-op hash (GPU) agree bit for bit."""
+
+import pytest
+import torch
+
+from hongtu.nn import ops
+
+
+@pytest.mark.parametrize("seed", [0, 1, 12345678901234, 2**62 + 77])
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_kernel_matches_tensor_ops(seed, p):
+    ids = torch.randperm(200_000)[:3000]
+    a = ops.dropout_mask(ids, 37, p, seed)
+    b = ops._dropout_mask_torch(ids, 37, int(p * 2**32), seed)
+    assert torch.equal(a, b)
+    assert abs(a.float().mean().item() - (1 - p)) < 0.02
+
+
+def test_huge_ids_do_not_collide():
+    # key = id * width + col crosses 2^32: the high word must enter the hash.
+    ids = torch.tensor([0, 2**32 // 64, 2**33, 2**40], dtype=torch.int64)
+    m = ops.dropout_mask(ids, 64, 0.5, 7)
+    assert len({tuple(r.tolist()) for r in m}) == 4

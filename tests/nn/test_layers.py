@@ -1,0 +1,322 @@
+"""Built-in layers against PyG, chunked against full-graph, and the engine's step hooks."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from torch_geometric.nn import GATConv, GCNConv, GINConv, SAGEConv
+
+from examples.edge_weighted_conv import EdgeWeightedConv
+from hongtu.nn import GAT, GCN, GIN, GNN, SAGE, build_block, build_model
+from hongtu.nn.block import Block
+from hongtu.nn.layer import GNNLayer
+
+N, F_IN, F_OUT = 40, 6, 5
+ATOL = 1e-10
+
+
+def random_graph(num_nodes: int = N, avg_degree: float = 4.0, seed: int = 0):
+    """Random directed edges plus exactly one self-loop per vertex, in CSC order.
+
+    Vertex 3 reads only its self-loop; some vertices have no out-edges.
+    Returns ``(edge_index, indptr, indices, in_deg)``.
+    """
+    rng = np.random.default_rng(seed)
+    m = int(avg_degree * num_nodes)
+    src = rng.integers(0, num_nodes, m)
+    dst = rng.integers(0, num_nodes, m)
+    keep = (src != dst) & (dst != 3)
+    pairs = np.unique(np.stack([dst[keep], src[keep]], 1), axis=0)  # sorted by (dst, src)
+    loops = np.arange(num_nodes)
+    dst = np.concatenate([pairs[:, 0], loops])
+    src = np.concatenate([pairs[:, 1], loops])
+    order = np.lexsort((src, dst))
+    src, dst = src[order], dst[order]
+    indptr = np.zeros(num_nodes + 1, dtype=np.int64)
+    np.cumsum(np.bincount(dst, minlength=num_nodes), out=indptr[1:])
+    edge_index = torch.from_numpy(np.stack([src, dst]).astype(np.int64))
+    return edge_index, indptr, src.astype(np.int64), np.diff(indptr).astype(np.float64)
+
+
+EDGE_INDEX, INDPTR, INDICES, IN_DEG = random_graph()
+
+
+def full_block() -> Block:
+    return build_block(INDPTR, INDICES, IN_DEG, 0, N, dtype=torch.float64)
+
+
+def chunk_blocks(bounds=(0, 11, 27, N)) -> list[Block]:
+    return [build_block(INDPTR, INDICES, IN_DEG, a, b, dtype=torch.float64)
+            for a, b in itertools.pairwise(bounds)]
+
+
+def features(width: int = F_IN, seed: int = 0) -> torch.Tensor:
+    return torch.randn(N, width, dtype=torch.float64,
+                       generator=torch.Generator().manual_seed(seed))
+
+
+def run_block(layer: GNNLayer, block: Block, x: torch.Tensor) -> torch.Tensor:
+    x_dst = x[block.dst_start:block.dst_start + block.num_dst]
+    return layer(block, x[block.src_ids], x_dst)
+
+
+def make(cls, *args, **kwargs) -> GNNLayer:
+    torch.manual_seed(0)
+    return cls(*args, **kwargs).double()
+
+
+# --------------------------------------------------------------- PyG oracles
+def test_graph_has_the_cases():
+    assert torch.equal(EDGE_INDEX[0][EDGE_INDEX[1] == 3], torch.tensor([3]))
+    assert (EDGE_INDEX[0] == EDGE_INDEX[1]).sum() == N
+    assert torch.equal(full_block().src_ids, torch.arange(N))
+
+
+def test_gcn_matches_pyg():
+    ours = make(GCN, F_IN, F_OUT)
+    with torch.no_grad():
+        ours.bias.uniform_(-1, 1)  # a non-zero bias, so the test sees it
+    ref = GCNConv(F_IN, F_OUT).double()  # adds no loops: the graph has one per vertex
+    with torch.no_grad():
+        ref.lin.weight.copy_(ours.lin.weight)
+        ref.bias.copy_(ours.bias)
+    x = features()
+    torch.testing.assert_close(run_block(ours, full_block(), x), ref(x, EDGE_INDEX),
+                               rtol=0, atol=ATOL)
+
+
+def test_sage_matches_pyg():
+    ours = make(SAGE, F_IN, F_OUT)
+    ref = SAGEConv(F_IN, F_OUT).double()
+    with torch.no_grad():
+        ref.lin_l.weight.copy_(ours.lin_l.weight)
+        ref.lin_l.bias.copy_(ours.lin_l.bias)
+        ref.lin_r.weight.copy_(ours.lin_r.weight)
+    x = features()
+    torch.testing.assert_close(run_block(ours, full_block(), x), ref(x, EDGE_INDEX),
+                               rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("eps,train_eps", [(0.0, False), (0.3, True)])
+def test_gin_matches_pyg(eps, train_eps):
+    ours = make(GIN, F_IN, F_OUT, hidden=7, eps=eps, train_eps=train_eps)
+    assert isinstance(ours.eps, torch.nn.Parameter) == train_eps
+    ref = GINConv(ours.mlp, eps=eps, train_eps=train_eps).double()  # the same MLP object
+    x = features()
+    torch.testing.assert_close(run_block(ours, full_block(), x), ref(x, EDGE_INDEX),
+                               rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("heads,concat", [(1, True), (1, False), (3, True), (3, False)])
+def test_gat_matches_pyg(heads, concat):
+    ours = make(GAT, F_IN, F_OUT, heads=heads, concat=concat, negative_slope=0.1)
+    with torch.no_grad():
+        ours.bias.uniform_(-1, 1)
+    ref = GATConv(F_IN, F_OUT, heads=heads, concat=concat, negative_slope=0.1,
+                  add_self_loops=False).double()
+    with torch.no_grad():
+        ref.lin.weight.copy_(ours.lin.weight)
+        ref.att_src.copy_(ours.att_src)
+        ref.att_dst.copy_(ours.att_dst)
+        ref.bias.copy_(ours.bias)
+    ours.eval()
+    ref.eval()
+    x = features()
+    out = run_block(ours, full_block(), x)
+    assert out.shape == (N, ours.out_width) == (N, heads * F_OUT if concat else F_OUT)
+    torch.testing.assert_close(out, ref(x, EDGE_INDEX), rtol=0, atol=ATOL)
+
+
+# ------------------------------------------------------------ layer surface
+LAYERS = {
+    "gcn": lambda: make(GCN, F_IN, F_OUT),
+    "sage": lambda: make(SAGE, F_IN, F_OUT),
+    "gin": lambda: make(GIN, F_IN, F_OUT),
+    "gat1": lambda: make(GAT, F_IN, F_OUT),
+    "gat3": lambda: make(GAT, F_IN, F_OUT, heads=3),
+    "gat3-mean": lambda: make(GAT, F_IN, F_OUT, heads=3, concat=False),
+    "gat3-drop": lambda: make(GAT, F_IN, F_OUT, heads=3, dropout=0.5),
+    "edge-weighted": lambda: make(EdgeWeightedConv, F_IN, F_OUT),
+}
+
+
+def test_cacheable():
+    expected = {"gcn": True, "sage": True, "gin": True, "gat1": False, "gat3": False,
+                "gat3-mean": False, "gat3-drop": False, "edge-weighted": False}
+    assert {name: f().cacheable for name, f in LAYERS.items()} == expected
+
+
+def test_repr_and_width():
+    assert repr(GCN(128, 64)) == "GCN(128, 64)"
+    assert repr(SAGE(128, 64)) == "SAGE(128, 64)"
+    assert repr(GIN(128, 64, hidden=32)) == "GIN(128, 64)"
+    assert repr(GAT(128, 8, heads=8)) == "GAT(128, 8, heads=8)"
+    assert repr(EdgeWeightedConv(16, 4)) == "EdgeWeightedConv(16, 4)"
+    assert GAT(128, 8, heads=8).out_width == 64
+    assert GAT(128, 8, heads=8, concat=False).out_width == 8
+    assert SAGE(3, 4, bias=False).lin_l.bias is None
+    assert GAT(3, 4, bias=False).bias is None
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+@pytest.mark.parametrize("training", [False, True])
+def test_chunked_equals_full_graph(name, training):
+    layer = LAYERS[name]()
+    layer.train(training)
+    x = features()
+    full = full_block()
+    full.seed = 12345
+    expected = run_block(layer, full, x)
+    parts = []
+    for block in chunk_blocks():
+        block.seed = 12345
+        parts.append(run_block(layer, block, x))
+    torch.testing.assert_close(torch.cat(parts), expected, rtol=0, atol=ATOL)
+
+
+def test_gat_attention_dropout_is_keyed_by_seed_and_edge():
+    layer = LAYERS["gat3-drop"]().train()
+    x = features()
+    block = full_block()
+    block.seed = 1
+    a, b = run_block(layer, block, x), run_block(layer, block, x)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)  # recomputation draws the same mask
+    block.seed = 2
+    assert not torch.allclose(run_block(layer, block, x), a)
+    layer.eval()
+    block.seed = 1
+    assert not torch.allclose(run_block(layer, block, x), a)
+
+
+def test_gat_gradients_chunked_equal_full():
+    layer = LAYERS["gat3-drop"]().train()
+    x = features().requires_grad_()
+    w = torch.randn(N, layer.out_width, dtype=torch.float64)
+    full = full_block()
+    full.seed = 7
+    (run_block(layer, full, x) * w).sum().backward()
+    expected = [p.grad.clone() for p in layer.parameters()] + [x.grad.clone()]
+    layer.zero_grad()
+    x.grad = None
+    for block in chunk_blocks():
+        block.seed = 7
+        out = run_block(layer, block, x)
+        (out * w[block.dst_start:block.dst_start + block.num_dst]).sum().backward()
+    got = [p.grad for p in layer.parameters()] + [x.grad]
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=ATOL)
+
+
+def test_extra_device_bytes_counts_edges():
+    gat, gcn = GAT(64, 8, heads=8), GCN(64, 64)
+    small = gat.extra_device_bytes(1000, 100, 10_000, 4)
+    large = gat.extra_device_bytes(1000, 100, 100_000, 4)
+    assert large - small >= 90_000 * 8 * 4 * 4  # several floats per edge and head
+    assert small > gcn.extra_device_bytes(1000, 100, 10_000, 4)
+
+
+def test_layers_need_own_rows():
+    x = features()
+    block = full_block()
+    for layer in (make(SAGE, F_IN, F_OUT), make(GIN, F_IN, F_OUT), make(GAT, F_IN, F_OUT)):
+        assert layer.needs_dst
+        with pytest.raises(ValueError, match="x_dst"):
+            layer(block, x, None)
+
+
+# ------------------------------------------------------- engine step hooks
+CACHEABLE = ["gcn", "sage", "gin"]
+
+
+def two_layer_model(name: str, p: float = 0.5) -> GNN:
+    torch.manual_seed(0)
+    cls = {"gcn": GCN, "sage": SAGE, "gin": GIN}[name]
+    return GNN([cls(F_IN, 8), cls(8, F_OUT)], dropout=p).double().train()
+
+
+@pytest.mark.parametrize("name", CACHEABLE)
+@pytest.mark.parametrize("l", [0, 1])
+def test_step_update_of_aggregate_equals_step_forward(name, l):
+    model = two_layer_model(name)
+    x = features(model.widths()[l])
+    seed = 4242 + l
+    for block in [full_block()] + chunk_blocks():
+        x_src = x[block.src_ids]
+        x_dst = x[block.dst_start:block.dst_start + block.num_dst]
+        x_dst = x_dst if model.layers[l].needs_dst else None
+        a = model.step_aggregate(l, block, x_src, seed)
+        got = model.step_update(l, block, a, x_dst, seed)
+        expected = model.step_forward(l, block, x_src, x_dst, seed)
+        torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("name", CACHEABLE)
+@pytest.mark.parametrize("training", [True, False])
+def test_step_aggregate_transpose_is_the_gradient(name, training):
+    model = two_layer_model(name).train(training)
+    x = features()
+    for block in [full_block()] + chunk_blocks():
+        x_src = x[block.src_ids].clone().requires_grad_()
+        a = model.step_aggregate(0, block, x_src, seed=99)
+        g = torch.randn_like(a)
+        (expected,) = torch.autograd.grad(a, x_src, g)
+        got = model.step_aggregate_transpose(0, block, g, seed=99)
+        torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("name", ["gcn", "sage", "gin", "gat", "edge"])
+def test_full_forward_equals_chunked_steps(name):
+    """Two layers, dropout on: the chunked step sequence equals the in-memory model."""
+    torch.manual_seed(0)
+    if name == "gat":
+        layers = [GAT(F_IN, 4, heads=2, dropout=0.5), GAT(8, F_OUT, concat=False, dropout=0.5)]
+    elif name == "edge":
+        layers = [EdgeWeightedConv(F_IN, 8), EdgeWeightedConv(8, F_OUT)]
+    else:
+        cls = {"gcn": GCN, "sage": SAGE, "gin": GIN}[name]
+        layers = [cls(F_IN, 8), cls(8, F_OUT)]
+    model = GNN(layers, dropout=0.5).double().train()
+    seeds = [11, 22]
+    x = features()
+    expected = model.full_forward(full_block(), x, seeds)
+    h = x
+    for l in range(model.num_layers):
+        outs = []
+        for block in chunk_blocks():
+            x_dst = h[block.dst_start:block.dst_start + block.num_dst]
+            outs.append(model.step_forward(l, block, h[block.src_ids],
+                                           x_dst if model.layers[l].needs_dst else None,
+                                           seeds[l]))
+        h = torch.cat(outs)
+    torch.testing.assert_close(h, expected, rtol=0, atol=ATOL)
+
+
+def test_build_model_builds_every_builtin():
+    from hongtu.config import ModelConfig
+
+    for layer in ("gcn", "sage", "gin", "gat"):
+        model = build_model(ModelConfig(layer=layer, hidden=8, layers=2, heads=2), 6, 3)
+        assert model.widths() == [6, 16 if layer == "gat" else 8, 3]
+    custom = build_model(
+        ModelConfig(layer="examples.edge_weighted_conv:EdgeWeightedConv", hidden=8), 6, 3)
+    assert [repr(m) for m in custom.layers] == ["EdgeWeightedConv(6, 8)",
+                                                "EdgeWeightedConv(8, 3)"]
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_empty_blocks(name):
+    """A chunk with no destinations, and one whose destinations have no in-edges."""
+    layer = LAYERS[name]().train()
+    indptr = np.array([0, 0, 0, 2], dtype=np.int64)  # vertices 0, 1 isolated; 0, 1 -> 2
+    indices = np.array([0, 1], dtype=np.int64)
+    deg = np.diff(indptr).astype(np.float64)
+    x = torch.randn(3, F_IN, dtype=torch.float64, requires_grad=True)
+    for a, b in [(1, 1), (0, 2)]:
+        block = build_block(indptr, indices, deg, a, b, dtype=torch.float64)
+        out = layer(block, x[block.src_ids], x[a:b])
+        assert out.shape == (b - a, layer.out_width)
+        out.sum().backward()
+        assert torch.isfinite(out).all()

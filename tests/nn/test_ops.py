@@ -1,0 +1,286 @@
+"""Graph ops against dense references, gradients by finite differences, dropout streams."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hongtu.nn import ops
+from hongtu.nn.block import Block, build_block
+
+# ------------------------------------------------------------------ fixtures
+
+
+def random_csc(num_nodes: int, seed: int = 0, max_in: int = 5,
+               duplicates: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A random CSC with isolated destinations, self-loops and (optionally) repeated sources.
+
+    Returns ``(indptr, indices, in_deg)``; every third vertex has no in-edges,
+    every fourth a self-loop, and with ``duplicates`` vertex 1 reads vertex 0 twice.
+    """
+    rng = np.random.default_rng(seed)
+    lists = []
+    for v in range(num_nodes):
+        if v % 3 == 2:
+            lists.append(np.zeros(0, dtype=np.int64))
+            continue
+        k = int(rng.integers(1, max_in + 1))
+        src = (rng.integers(0, num_nodes, size=k) if duplicates
+               else rng.choice(num_nodes, size=min(k, num_nodes), replace=False))
+        if v % 4 == 0 and v not in src:
+            src = np.append(src, v)
+        if duplicates and v == 1:
+            src = np.append(src, [0, 0])
+        lists.append(np.sort(src).astype(np.int64))
+    indptr = np.zeros(num_nodes + 1, dtype=np.int64)
+    np.cumsum([len(s) for s in lists], out=indptr[1:])
+    indices = np.concatenate(lists)
+    return indptr, indices, np.diff(indptr).astype(np.float64)
+
+
+def dense_adjacency(block: Block, values: torch.Tensor) -> torch.Tensor:
+    """``A[v, u] = sum of values of edges u -> v`` (local ids), parallel edges summed."""
+    a = torch.zeros(block.num_dst, block.num_src, dtype=values.dtype)
+    return a.index_put_((block.edge_dst(), block.indices), values, accumulate=True)
+
+
+def segment_reference(block: Block, fn, t: torch.Tensor) -> list[torch.Tensor]:
+    """``fn`` applied to each destination's edge rows, one destination at a time."""
+    ptr = block.indptr.tolist()
+    return [fn(t[ptr[v]:ptr[v + 1]]) for v in range(block.num_dst)]
+
+
+N = 23
+CSC = random_csc(N, seed=1)
+
+
+def blocks() -> list[tuple[str, Block]]:
+    indptr, indices, deg = CSC
+    empty_dst = next(v for v in range(N) if indptr[v] == indptr[v + 1])
+    return [
+        ("full", build_block(indptr, indices, deg, 0, N, dtype=torch.float64)),
+        ("middle", build_block(indptr, indices, deg, 7, 16, dtype=torch.float64)),
+        ("no-edges", build_block(indptr, indices, deg, empty_dst, empty_dst + 1,
+                                 dtype=torch.float64)),
+        ("no-dst", build_block(indptr, indices, deg, 5, 5, dtype=torch.float64)),
+    ]
+
+
+BLOCKS = blocks()
+BLOCK_IDS = [name for name, _ in BLOCKS]
+
+
+@pytest.fixture(params=[b for _, b in BLOCKS], ids=BLOCK_IDS)
+def block(request) -> Block:
+    b = request.param
+    b._cache.clear()
+    return b
+
+
+def test_fixture_covers_the_cases():
+    indptr, indices, _ = CSC
+    dst = np.repeat(np.arange(N), np.diff(indptr))
+    assert (np.diff(indptr) == 0).any(), "isolated destinations"
+    assert (dst == indices).any(), "self-loops"
+    pairs = set()
+    dup = False
+    for p in zip(dst.tolist(), indices.tolist()):
+        dup |= p in pairs
+        pairs.add(p)
+    assert dup, "parallel edges (duplicate sources)"
+    assert BLOCKS[2][1].num_edges == 0 and BLOCKS[3][1].num_dst == 0
+
+
+def test_block_structure(block):
+    e = block.num_edges
+    assert block.indptr[-1] == e and block.t_indptr[-1] == e
+    assert torch.equal(block.t_perm.sort().values, torch.arange(e))
+    # The stored transpose lists the same edges.
+    assert torch.equal(block.t_indices, block.edge_dst()[block.t_perm])
+    counts = torch.bincount(block.indices, minlength=block.num_src)
+    assert torch.equal(block.t_indptr[1:] - block.t_indptr[:-1], counts)
+    assert torch.equal(block.dst_in_deg, (block.indptr[1:] - block.indptr[:-1]).double())
+
+
+# ---------------------------------------------------------------- spmm & co.
+@pytest.mark.parametrize("trailing", [(3,), (2, 3)])
+def test_spmm_matches_dense(block, trailing):
+    torch.manual_seed(0)
+    x = torch.randn((block.num_src,) + trailing, dtype=torch.float64)
+    w = torch.randn(block.num_edges, dtype=torch.float64)
+    out = ops.spmm(block, x, w)
+    ref = (dense_adjacency(block, w) @ x.flatten(1)).reshape(out.shape)
+    assert out.shape == (block.num_dst,) + trailing
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+
+
+def test_spmm_gradcheck(block):
+    torch.manual_seed(1)
+    x = torch.randn(block.num_src, 2, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(block.num_edges, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w: ops.spmm(block, x, w), (x, w))
+
+
+def test_spmm_gradcheck_multihead():
+    block = BLOCKS[1][1]
+    torch.manual_seed(2)
+    x = torch.randn(block.num_src, 2, 2, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(block.num_edges, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w: ops.spmm(block, x, w), (x, w))
+
+
+def expected_weights(block: Block, op: str) -> torch.Tensor:
+    """Edge weights of a built-in aggregation from their definitions."""
+    deg = torch.from_numpy(CSC[2])
+    src = block.src_ids[block.indices]
+    dst = block.edge_dst() + block.dst_start
+    if op == "sum":
+        return torch.ones(block.num_edges, dtype=torch.float64)
+    if op == "mean":
+        return 1.0 / deg.clamp(min=1)[dst]
+    # Degrees clamp at 1: a source without in-edges counts as degree 1.
+    deg = deg.clamp(min=1)
+    return 1.0 / torch.sqrt(deg[src] * deg[dst])
+
+
+@pytest.mark.parametrize("op", ops.BUILTIN_AGGREGATIONS)
+def test_aggregate_matches_dense(block, op):
+    torch.manual_seed(3)
+    x = torch.randn(block.num_src, 4, dtype=torch.float64, requires_grad=True)
+    a_dense = dense_adjacency(block, expected_weights(block, op))
+    out = ops.aggregate(block, x, op)
+    torch.testing.assert_close(out, a_dense @ x, rtol=0, atol=1e-12)
+    if block.num_dst:
+        x2 = x[:, :2].detach().requires_grad_()  # two columns suffice for the gradient
+        assert torch.autograd.gradcheck(lambda x: ops.aggregate(block, x, op), (x2,))
+    g = torch.randn(block.num_dst, 4, dtype=torch.float64)
+    torch.testing.assert_close(ops.aggregate_transpose(block, g, op), a_dense.t() @ g,
+                               rtol=0, atol=1e-12)
+
+
+def test_mean_of_isolated_destination_is_zero():
+    block = BLOCKS[2][1]
+    x = torch.randn(block.num_src, 3, dtype=torch.float64)
+    assert torch.equal(ops.aggregate(block, x, "mean"), torch.zeros(1, 3, dtype=torch.float64))
+
+
+def test_unknown_aggregation_is_rejected():
+    with pytest.raises(ValueError, match="built-ins"):
+        ops.aggregate(BLOCKS[0][1], torch.zeros(N, 1, dtype=torch.float64), "max")
+
+
+# -------------------------------------------------------------- edge helpers
+def test_gather_and_scatter(block):
+    torch.manual_seed(4)
+    x_src = torch.randn(block.num_src, 3, dtype=torch.float64)
+    x_dst = torch.randn(block.num_dst, 3, dtype=torch.float64)
+    torch.testing.assert_close(ops.gather_src(block, x_src), x_src[block.indices])
+    torch.testing.assert_close(ops.gather_dst(block, x_dst), x_dst[block.edge_dst()])
+    msg = torch.randn(block.num_edges, 3, dtype=torch.float64)
+    s = ops.scatter_dst(block, msg, "sum")
+    m = ops.scatter_dst(block, msg, "mean")
+    zero = torch.zeros(3, dtype=torch.float64)
+    ref_s = segment_reference(block, lambda t: t.sum(0), msg)
+    ref_m = segment_reference(block, lambda t: t.mean(0) if len(t) else zero, msg)
+    assert s.shape == m.shape == (block.num_dst, 3)
+    for v in range(block.num_dst):
+        torch.testing.assert_close(s[v], ref_s[v], rtol=0, atol=1e-12)
+        torch.testing.assert_close(m[v], ref_m[v], rtol=0, atol=1e-12)
+    # scatter_dst(mean) over unit messages is aggregate(mean).
+    torch.testing.assert_close(ops.scatter_dst(block, ops.gather_src(block, x_src), "mean"),
+                               ops.aggregate(block, x_src, "mean"), rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="reduce"):
+        ops.scatter_dst(block, msg, "max")
+
+
+@pytest.mark.parametrize("heads", [None, 3])
+def test_edge_softmax(block, heads):
+    torch.manual_seed(5)
+    shape = (block.num_edges,) if heads is None else (block.num_edges, heads)
+    scores = (torch.randn(shape, dtype=torch.float64) * 5).requires_grad_()
+    alpha = ops.edge_softmax(block, scores)
+    assert alpha.shape == scores.shape
+    sums = ops.scatter_dst(block, alpha, "sum")
+    has_edges = block.dst_in_deg > 0
+    torch.testing.assert_close(sums[has_edges], torch.ones_like(sums[has_edges]))
+    ref = segment_reference(block, lambda t: torch.softmax(t, dim=0), scores.detach())
+    if block.num_edges:
+        torch.testing.assert_close(alpha.detach(), torch.cat(ref), rtol=0, atol=1e-12)
+        assert torch.autograd.gradcheck(lambda s: ops.edge_softmax(block, s), (scores,))
+
+
+def test_edge_softmax_matches_dense_masked_softmax():
+    indptr, indices, deg = random_csc(17, seed=7, duplicates=False)
+    block = build_block(indptr, indices, deg, 0, 17, dtype=torch.float64)
+    torch.manual_seed(6)
+    scores = torch.randn(block.num_edges, dtype=torch.float64) * 3
+    dense = torch.full((block.num_dst, block.num_src), float("-inf"), dtype=torch.float64)
+    dense[block.edge_dst(), block.indices] = scores
+    rows = block.dst_in_deg > 0
+    soft = torch.zeros_like(dense)
+    soft[rows] = torch.softmax(dense[rows], dim=1)
+    alpha = ops.edge_softmax(block, scores)
+    torch.testing.assert_close(alpha, soft[block.edge_dst(), block.indices], rtol=0, atol=1e-12)
+
+
+def test_edge_softmax_is_shift_stable():
+    block = BLOCKS[0][1]
+    scores = torch.randn(block.num_edges, dtype=torch.float64)
+    big = ops.edge_softmax(block, scores + 1000.0)
+    assert torch.isfinite(big).all()
+    torch.testing.assert_close(big, ops.edge_softmax(block, scores), rtol=0, atol=1e-12)
+
+
+# ------------------------------------------------------------------- dropout
+def test_dropout_mask_depends_on_id_only():
+    ids = torch.arange(1000, 1400)
+    full = ops.dropout_mask(ids, 7, 0.5, seed=1234)
+    perm = torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))
+    subset = perm[:150]
+    assert torch.equal(ops.dropout_mask(ids[perm], 7, 0.5, seed=1234), full[perm])
+    assert torch.equal(ops.dropout_mask(ids[subset], 7, 0.5, seed=1234), full[subset])
+    x = torch.ones(len(ids), 7)
+    out_full = ops.dropout(x, ids, 0.5, seed=1234)
+    out_sub = ops.dropout(x[subset], ids[subset], 0.5, seed=1234)
+    assert torch.equal(out_sub, out_full[subset])
+
+
+def test_dropout_different_seed_different_mask():
+    ids = torch.arange(5000)
+    a = ops.dropout_mask(ids, 4, 0.5, seed=1)
+    b = ops.dropout_mask(ids, 4, 0.5, seed=2)
+    c = ops.dropout_mask(ids, 4, 0.5, seed=1 + (1 << 40))  # high bits of a 63-bit seed matter
+    assert not torch.equal(a, b) and not torch.equal(a, c)
+    assert 0.4 < (a == b).double().mean() < 0.6
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_dropout_fraction_and_scale(p):
+    ids = torch.arange(10_000, 20_000) * 7919  # sparse, large global ids
+    x = torch.ones(len(ids), 10, dtype=torch.float64)
+    out = ops.dropout(x, ids, p, seed=99)
+    dropped = (out == 0).double().mean().item()
+    assert abs(dropped - p) < 0.02
+    kept = out[out != 0]
+    torch.testing.assert_close(kept, torch.full_like(kept, 1.0 / (1.0 - p)))
+    # Columns draw independent bits: no column is all-kept or all-dropped.
+    per_col = (out == 0).double().mean(0)
+    assert ((per_col - p).abs() < 0.05).all()
+
+
+def test_dropout_identity_when_off():
+    x = torch.randn(50, 3)
+    ids = torch.arange(50)
+    assert ops.dropout(x, ids, 0.5, seed=3, training=False) is x
+    assert ops.dropout(x, ids, 0.0, seed=3) is x
+    empty = torch.zeros(0, 3)
+    assert ops.dropout(empty, ids[:0], 0.5, seed=3).shape == (0, 3)
+
+
+def test_dropout_multidim_rows():
+    ids = torch.arange(300)
+    x = torch.ones(300, 2, 3)
+    out = ops.dropout(x, ids, 0.3, seed=5)
+    mask = ops.dropout_mask(ids, 6, 0.3, seed=5).view(300, 2, 3)
+    torch.testing.assert_close(out, mask.float() / 0.7)
