@@ -161,23 +161,18 @@ class Graph:
             test_mask=take(self.test_mask), _fingerprint=None,
         )
 
-    def fingerprint(self) -> str:
-        """A content hash of structure and vertex data, for cache keys."""
+    def fingerprint(self, structure_only: bool = False) -> str:
+        """A content hash for cache keys.
+
+        Args:
+            structure_only: hash only ``indptr`` and ``indices`` — what a
+                partition depends on — and not the (possibly huge) features.
+        """
+        if structure_only:
+            return _hash_arrays((self.indptr, self.indices))
         if self._fingerprint is None:
-            h = hashlib.blake2b(digest_size=16)
-            for arr in (self.indptr, self.indices, self.x, self.y,
-                        self.train_mask, self.val_mask, self.test_mask):
-                if arr is None:
-                    h.update(b"none")
-                    continue
-                a = np.ascontiguousarray(arr)
-                h.update(str((a.dtype.str, a.shape)).encode())
-                # Hash in slabs so a memory-mapped array is never read whole.
-                flat = a.reshape(-1).view(np.uint8)
-                step = 1 << 26
-                for s in range(0, flat.size, step):
-                    h.update(flat[s:s + step])
-            self._fingerprint = h.hexdigest()
+            self._fingerprint = _hash_arrays((self.indptr, self.indices, self.x, self.y,
+                                              self.train_mask, self.val_mask, self.test_mask))
         return self._fingerprint
 
     def validate(self, where: str = "graph") -> None:
@@ -197,6 +192,22 @@ class Graph:
             if arr is not None and arr.shape[0] != n:
                 raise UserError(f"{where}: '{key}' has {arr.shape[0]} rows but the graph has "
                                 f"{n} vertices; every per-vertex array needs one row per vertex")
+
+
+def _hash_arrays(arrays) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for arr in arrays:
+        if arr is None:
+            h.update(b"none")
+            continue
+        a = np.ascontiguousarray(arr)
+        h.update(str((a.dtype.str, a.shape)).encode())
+        # Hash in slabs so a memory-mapped array is never read whole.
+        flat = a.reshape(-1).view(np.uint8)
+        step = 1 << 26
+        for s in range(0, flat.size, step):
+            h.update(flat[s:s + step])
+    return h.hexdigest()
 
 
 def _gather_ranges(values: np.ndarray, indptr: np.ndarray, order: np.ndarray,

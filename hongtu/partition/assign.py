@@ -147,7 +147,7 @@ def _check_args(graph: Graph, num_parts: int, method: str) -> None:
 
 def assign_parts(graph: Graph, num_parts: int, method: str = "metis", seed: int = 0,
                  cache_dir: str | None = None, *, return_hit: bool = False,
-                 timings: dict[str, float] | None = None):
+                 timings: dict[str, float] | None = None) -> np.ndarray | tuple[np.ndarray, bool]:
     r"""Level-1 partition: the part of every vertex, in the user's ids.
 
     Args:
@@ -176,7 +176,7 @@ def assign_parts(graph: Graph, num_parts: int, method: str = "metis", seed: int 
     key = None
     parts = None
     if cache_dir is not None and num_parts > 1:
-        key = cache_key(graph.fingerprint(), method, num_parts, int(seed))
+        key = cache_key(graph.fingerprint(structure_only=True), method, num_parts, int(seed))
         parts = load_assignment(cache_dir, key, graph.num_nodes, num_parts)
         if parts is not None:
             logger.info("loaded %s part assignment (%d parts) from cache %s",

@@ -168,5 +168,12 @@ def partition_graph(graph: Graph, parts: int, chunks: int, method: str = "metis"
         >>> p.chunk_ptr.shape
         (33,)
     """
+    # Fail before the expensive level 1 when no assignment could give every
+    # part `chunks` vertices.
+    if not isinstance(chunks, (int, np.integer)) or chunks < 1:
+        raise UserError(f"number of chunks must be a positive integer, got {chunks!r}")
+    if isinstance(parts, (int, np.integer)) and parts >= 1 and graph.num_nodes < parts * chunks:
+        raise UserError(f"{parts} parts x {chunks} chunks need at least {parts * chunks} vertices "
+                        f"but the graph has {graph.num_nodes}; use fewer parts or chunks")
     assignment = assign_parts(graph, parts, method=method, seed=seed, cache_dir=cache_dir)
     return chunk_partition(graph, assignment, chunks, num_parts=parts, method=method, seed=seed)

@@ -31,7 +31,8 @@ def metis_calls(monkeypatch):
 
 
 def the_file(graph, tmp_path, method="metis", parts=4, seed=0):
-    return cache_path(tmp_path, cache_key(graph.fingerprint(), method, parts, seed))
+    key = cache_key(graph.fingerprint(structure_only=True), method, parts, seed)
+    return cache_path(tmp_path, key)
 
 
 def test_second_call_loads_cache(graph, tmp_path, metis_calls, caplog):
@@ -126,3 +127,19 @@ def test_unwritable_cache_dir_is_not_fatal(graph, tmp_path, caplog):
                                   return_hit=True)
     assert not hit and parts.shape == (graph.num_nodes,)
     assert "could not write" in caplog.text
+
+
+def test_feature_change_keeps_partition_cache(tmp_path):
+    """The partition depends on the structure only: new features reuse the cached parts."""
+    import numpy as np
+
+    from hongtu.graph import Graph
+    from hongtu.partition import assign_parts
+
+    rng = np.random.default_rng(0)
+    ei = rng.integers(0, 200, (2, 1500))
+    g1 = Graph.from_edge_index(ei, 200, x=rng.standard_normal((200, 4)).astype(np.float32))
+    g2 = Graph.from_edge_index(ei, 200, x=rng.standard_normal((200, 4)).astype(np.float32))
+    _, hit1 = assign_parts(g1, 2, method="random", cache_dir=tmp_path, return_hit=True)
+    _, hit2 = assign_parts(g2, 2, method="random", cache_dir=tmp_path, return_hit=True)
+    assert (hit1, hit2) == (False, True)

@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 
 from hongtu.errors import UserError
-from hongtu.partition import METHODS, Partition, chunk_partition, partition_graph
+from hongtu.partition import (
+    METHODS,
+    Partition,
+    assign_parts,
+    chunk_partition,
+    partition_graph,
+)
 from hongtu.partition.assign import balanced_cuts
 
 
@@ -141,8 +147,10 @@ def test_too_many_chunks_is_user_error(tiny):
     assignment[:2] = 1
     with pytest.raises(UserError, match="part 1 has 2 vertices"):
         chunk_partition(tiny, assignment, 3)
-    with pytest.raises(UserError, match="chunks"):
+    with pytest.raises(UserError, match="need at least 13 vertices"):
         partition_graph(tiny, 1, 13, method="range")
+    with pytest.raises(UserError, match="need at least 14 vertices"):
+        partition_graph(tiny, 2, 7, method="metis")
     # An empty part is caught the same way.
     with pytest.raises(UserError, match="part 2 has 0 vertices"):
         chunk_partition(tiny, assignment, 1, num_parts=3)
@@ -152,6 +160,8 @@ def test_bad_arguments_are_user_errors(tiny):
     with pytest.raises(UserError, match="metis, range, random"):
         partition_graph(tiny, 2, 2, method="spectral")
     with pytest.raises(UserError, match="12 vertices into 13 parts"):
+        assign_parts(tiny, 13, method="range")
+    with pytest.raises(UserError, match="need at least 13 vertices"):
         partition_graph(tiny, 13, 1, method="range")
     with pytest.raises(UserError):
         partition_graph(tiny, 0, 1, method="range")
