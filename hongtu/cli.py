@@ -24,11 +24,29 @@ def _add_config(p: argparse.ArgumentParser) -> None:
                    help="dotted overrides, e.g. train.epochs=3 engine.chunks=8")
 
 
+class _CommandListFormatter(argparse.HelpFormatter):
+    """Keeps each command and its description on one line of ``hongtu --help``.
+
+    argparse measures the indented command names one indent short, so the
+    longest name ('partition') would push its description to the next line.
+    """
+
+    def add_argument(self, action: argparse.Action) -> None:
+        super().add_argument(action)
+        if action.help is argparse.SUPPRESS or not hasattr(action, "_get_subactions"):
+            return
+        for sub in action._get_subactions():
+            width = (len(self._format_action_invocation(sub)) + self._current_indent
+                     + self._indent_increment)
+            self._action_max_length = max(self._action_max_length, width)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hongtu",
         description="Out-of-core full-graph GNN training (HongTu). "
-                    "Run 'hongtu COMMAND --help' for a command's options.")
+                    "Run 'hongtu COMMAND --help' for a command's options.",
+        formatter_class=_CommandListFormatter)
     parser.add_argument("--version", action="version", version=f"hongtu {__version__}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="show tracebacks on errors")
@@ -49,6 +67,31 @@ def _parser() -> argparse.ArgumentParser:
                        description="Run the 2-level partitioner of CONFIG (cached) and print "
                                    "edge balance, cut edges and replication factor.")
     _add_config(p)
+
+    p = sub.add_parser("plot", parents=[common],
+                       help="plot loss, accuracy and time per epoch from a metrics file",
+                       description="Draw the loss, train/val/test accuracy and (when "
+                                   "recorded) the per-epoch time split of a metrics file "
+                                   "written by 'hongtu train --metrics'.")
+    p.add_argument("metrics", metavar="METRICS", help="JSON-lines metrics file")
+    p.add_argument("-o", "--output", metavar="FILE",
+                   help="image to write: .png, .pdf or .svg (default: METRICS with .png)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing image")
+
+    p = sub.add_parser("predict", parents=[common],
+                       help="run a trained model on the whole graph; save predictions",
+                       description="Load a model.pt written by 'hongtu train', run it on "
+                                   "the graph of CONFIG without dropout, and save one row "
+                                   "per vertex in your original vertex order.")
+    _add_config(p)
+    p.add_argument("--checkpoint", metavar="PATH",
+                   help="the model file (default: output.dir/model.pt of CONFIG)")
+    p.add_argument("-o", "--output", metavar="OUT.npy", required=True,
+                   help="where to save the array (.npy)")
+    p.add_argument("--embeddings", action="store_true",
+                   help="save the last hidden layer (float32, one row per vertex) instead of the "
+                        "predicted class ids (int64, N)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     return parser
 
 
@@ -97,13 +140,50 @@ def _cmd_train(args) -> int:
     return 0
 
 
-_COMMANDS = {"train": _cmd_train, "partition": _cmd_partition}
+def _cmd_plot(args) -> int:
+    from hongtu.plot import FORMATS, check_output, plot_metrics, read_metrics
+
+    out = Path(args.output) if args.output else Path(args.metrics).with_suffix(".png")
+    check_output(out, args.overwrite, FORMATS, "plot")
+    records = read_metrics(args.metrics)
+    plot_metrics(records, out, overwrite=args.overwrite, title=Path(args.metrics).name)
+    print(f"plotted {len(records)} epoch(s) to {out}")
+    return 0
+
+
+def _cmd_predict(args) -> int:
+    from hongtu.config import load_config
+    from hongtu.plot import check_output
+    from hongtu.predict import predict, save_array
+
+    cfg = load_config(args.config, args.overrides)
+    out = Path(args.output)
+    check_output(out, args.overwrite, (".npy",), "result")
+    checkpoint = args.checkpoint or str(Path(cfg.output.dir) / "model.pt")
+    array, acc = predict(cfg, checkpoint, embeddings=args.embeddings)
+    save_array(array, out, overwrite=args.overwrite)
+    what = (f"embeddings {array.shape[0]} x {array.shape[1]}" if args.embeddings
+            else f"class predictions for {array.shape[0]} vertices")
+    scores = "  ".join(f"{s} {a:.4f}" for s, a in acc.items())
+    print(f"{what} saved to {out}" + (f" (accuracy: {scores})" if scores else ""))
+    return 0
+
+
+_COMMANDS = {"train": _cmd_train, "partition": _cmd_partition, "plot": _cmd_plot,
+             "predict": _cmd_predict}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``hongtu`` console script."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # argparse stops filling 'overrides' at the first option, so key=value
+    # after an option ('train CFG --overwrite train.epochs=3') lands here.
+    if extra and hasattr(args, "overrides") and all(
+            "=" in e and not e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return 2

@@ -24,15 +24,20 @@ from hongtu.config import format_size
 from hongtu.errors import UserError
 from hongtu.graph import Graph
 from hongtu.nn.model import GNN
+from hongtu.nn.ops import MASK_BLOCK
 from hongtu.partition import chunk_partition
 from hongtu.partition._kernels import distinct_sources
 
-__all__ = ["ChunkSizes", "chunk_sizes", "estimate_device_bytes", "choose_chunks",
-           "CHUNK_CANDIDATES"]
+__all__ = ["CHUNK_CANDIDATES", "ChunkSizes", "choose_chunks", "chunk_sizes",
+           "estimate_device_bytes", "resident_block_bytes"]
 
 CHUNK_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512,
                     768, 1024, 1536, 2048, 4096)
-_MASK_BYTES = 32  # int64 temporaries of the counter-based dropout hash, per element
+_MASK_BYTES = 5  # dropout: the boolean mask and the masked copy's extra, per element
+# Fixed extras: the dropout hash's int64 temporaries (MASK_BLOCK elements at a
+# time), cuSPARSE workspaces and allocator slack.
+_FIXED_EXTRA = MASK_BLOCK * 48 + (256 << 20)
+_SLACK = 1.10
 
 
 @dataclass
@@ -74,6 +79,7 @@ def estimate_device_bytes(model: GNN, sizes: ChunkSizes, itemsize: int = 4,
     fixed = (max_src + 3 * max_dst) * wmax * itemsize
     fixed += sum(p.numel() for p in model.parameters()) * itemsize * 4
     fixed += num_nodes * 11  # labels (int64) and three masks (bool)
+    fixed += _FIXED_EXTRA
     drop = _MASK_BYTES if (training and model.p > 0) else 0
     peak = 0
     for l, layer in enumerate(model.layers):
@@ -84,7 +90,13 @@ def estimate_device_bytes(model: GNN, sizes: ChunkSizes, itemsize: int = 4,
         extra = np.array([layer.extra_device_bytes(int(a), int(b), int(c), itemsize)
                           for a, b, c in zip(src, dst, e)], dtype=np.int64)
         peak = max(peak, int((block + act + extra).max()))
-    return int(fixed + peak)
+    return int(fixed + _SLACK * peak)
+
+
+def resident_block_bytes(sizes: ChunkSizes, itemsize: int = 4) -> int:
+    """Device bytes of every chunk's block kept resident, with its cached edge data."""
+    e, src, dst = sizes.num_edges, sizes.num_src, sizes.num_dst
+    return int((e * (3 * 8 + itemsize + 8) + (src + dst) * (8 + itemsize) + src * 8).sum())
 
 
 def choose_chunks(graph: Graph, assignment: np.ndarray, num_parts: int, model: GNN,

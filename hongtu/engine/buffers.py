@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from hongtu.config import format_size
+from hongtu.engine.pinned import pinned_empty
 from hongtu.errors import UserError
 
 __all__ = ["BufferPlan", "HostBuffers", "available_host_memory"]
@@ -98,11 +99,26 @@ class HostBuffers:
         n = plan.num_nodes
         L = len(plan.widths) - 1
 
-        def slab(width: int) -> Tensor:
-            return torch.empty((n, width), dtype=dtype, pin_memory=pin)
+        self.pinned = pin
 
-        x0 = x if isinstance(x, Tensor) else torch.from_numpy(np.asarray(x))
-        self.h: list[Tensor] = [x0.to(dtype)] + [slab(plan.widths[l]) for l in range(1, L + 1)]
+        def slab(width: int) -> Tensor:
+            if not pin:
+                return torch.empty((n, width), dtype=dtype)
+            t, ok = pinned_empty((n, width), dtype)
+            self.pinned = self.pinned and ok
+            return t
+
+        if pin:
+            # The GPU reads h^0 in place: copy the input (which may be memory
+            # mapped) into a slab that can be registered.
+            x0 = slab(plan.widths[0])
+            step = max(1, (256 << 20) // max(1, plan.widths[0] * 4))
+            for s in range(0, n, step):
+                x0[s:s + step] = torch.from_numpy(np.asarray(x[s:s + step])).to(dtype)
+        else:
+            x0 = x if isinstance(x, Tensor) else torch.from_numpy(np.asarray(x))
+            x0 = x0.to(dtype)
+        self.h: list[Tensor] = [x0] + [slab(plan.widths[l]) for l in range(1, L + 1)]
         self.grad: list[Tensor | None] = [None] + [slab(plan.widths[l]) for l in range(1, L + 1)]
         self.agg: list[Tensor | None] = [slab(plan.widths[l]) if plan.cached[l] else None
                                          for l in range(L)]

@@ -59,11 +59,14 @@ class Executor:
         checkpoint: ``auto`` caches aggregates of cacheable layers; ``recompute``
             recomputes every layer in full in backward.
         seed: the run seed (dropout streams derive from it).
+        resident_blocks: keep every chunk's block on the device (when the
+            budget allows); otherwise blocks wait in pinned host memory and
+            are copied to the device for each use.
     """
 
     def __init__(self, model: GNN, chunks: ChunkSet, buffers: HostBuffers, labels: Tensor,
                  masks: dict[str, Tensor], device: torch.device, checkpoint: str = "auto",
-                 seed: int = 0) -> None:
+                 seed: int = 0, resident_blocks: bool = True) -> None:
         self.model = model
         self.chunks = chunks
         self.buf = buffers
@@ -78,12 +81,19 @@ class Executor:
         self.labels = labels.to(device)
         self.masks = {k: m.to(device) for k, m in masks.items()}
         self.num_train = max(int(masks["train"].sum()), 1)
-        self._on_device = device.type == "cpu"
+        self._src_np = [b.src_ids.numpy() for b in chunks.blocks]
+        if device.type == "cpu":
+            self._blocks = chunks.blocks
+        elif resident_blocks:
+            self._blocks = [b.to(device) for b in chunks.blocks]
+        else:
+            self._blocks = [b.pin_memory() for b in chunks.blocks]
+        self._copy_blocks = device.type != "cpu" and not resident_blocks
 
     # ------------------------------------------------------------- helpers
     def _device_block(self, c: int) -> Block:
-        block = self.chunks.blocks[c]
-        return block if self._on_device else block.to(self.device, non_blocking=True)
+        block = self._blocks[c]
+        return block.to(self.device, non_blocking=True) if self._copy_blocks else block
 
     def _seed(self, epoch: int, l: int) -> int:
         return layer_seed(self.seed, epoch, l)
@@ -104,10 +114,9 @@ class Executor:
             layer = model.layers[l]
             seed = self._seed(epoch, l)
             for c in self._chunk_order():
-                host_block = self.chunks.blocks[c]
                 block = self._device_block(c)
                 v0, v1 = self.chunks.range(c)
-                x_src = mv.load_rows(buf.h[l], host_block.src_ids, "src")
+                x_src = mv.load_rows(buf.h[l], block.src_ids, "src")
                 x_dst = mv.load_range(buf.h[l], v0, v1, "dst") if layer.needs_dst else None
                 if self.cached[l] and train:
                     a = model.step_aggregate(l, block, x_src, seed)
@@ -157,7 +166,6 @@ class Executor:
             if need_in:
                 buf.grad[l].zero_()
             for c in self._chunk_order():
-                host_block = self.chunks.blocks[c]
                 block = self._device_block(c)
                 v0, v1 = self.chunks.range(c)
                 g_out = mv.load_range(buf.grad[l + 1], v0, v1, "grad")
@@ -173,13 +181,13 @@ class Executor:
                         g_src = (model.step_aggregate_transpose(l, block, a.grad, seed)
                                  if need_in and a.grad is not None else None)
                     else:
-                        x_src = mv.load_rows(buf.h[l], host_block.src_ids, "src")
+                        x_src = mv.load_rows(buf.h[l], block.src_ids, "src")
                         x_src = x_src.detach().requires_grad_(need_in)
                         out = model.step_forward(l, block, x_src, x_dst, seed)
                         _backward(out, g_out)
                         g_src = x_src.grad if need_in else None
                 if g_src is not None:
-                    mv.add_rows(buf.grad[l], host_block.src_ids, g_src)
+                    mv.add_rows(buf.grad[l], self._src_np[c], g_src)
                 if need_in and x_dst is not None and x_dst.grad is not None:
                     mv.add_range(buf.grad[l], v0, x_dst.grad)
                 if progress is not None:

@@ -21,7 +21,12 @@ import numpy as np
 import torch
 
 from hongtu.config import Config, format_size, parse_size
-from hongtu.engine.budget import choose_chunks, chunk_sizes, estimate_device_bytes
+from hongtu.engine.budget import (
+    choose_chunks,
+    chunk_sizes,
+    estimate_device_bytes,
+    resident_block_bytes,
+)
 from hongtu.engine.buffers import BufferPlan, HostBuffers
 from hongtu.engine.chunks import ChunkSet
 from hongtu.engine.executor import Executor
@@ -125,11 +130,16 @@ class Trainer:
         plan = BufferPlan(g.num_nodes, self.model.widths(), cached, itemsize)
         self.out(self._plan_text(plan, parts, chunks))
         buffers = HostBuffers(plan, g.x, pin=self.device.type == "cuda", dtype=dtype)
+        if self.device.type == "cuda":
+            g.x = None  # h^0 is a pinned copy of the features now; drop this one
         masks = {k: torch.from_numpy(np.asarray(getattr(g, f"{k}_mask") if getattr(
             g, f"{k}_mask") is not None else np.zeros(g.num_nodes, bool)))
             for k in ("train", "val", "test")}
+        resident = self.budget is None or (
+            self.estimate + resident_block_bytes(sizes, itemsize) <= self.budget)
         self.executor = Executor(self.model, self.chunks, buffers, torch.from_numpy(
-            np.asarray(g.y, dtype=np.int64)), masks, self.device, e.checkpoint, cfg.train.seed)
+            np.asarray(g.y, dtype=np.int64)), masks, self.device, e.checkpoint, cfg.train.seed,
+            resident_blocks=resident)
         self.optimizer = self._optimizer()
         self.preprocess_s = time.perf_counter() - t0
 
@@ -187,11 +197,17 @@ class Trainer:
         self.save()
         return records
 
-    def run_epoch(self, epoch: int, progress: bool = False) -> dict:
-        """One optimizer step and (every ``eval_every`` epochs) an evaluation pass."""
+    def run_epoch(self, epoch: int, progress: bool = False,
+                  evaluate: bool | None = None) -> dict:
+        """One optimizer step and (every ``eval_every`` epochs) an evaluation pass.
+
+        ``evaluate`` forces the evaluation pass on or off (benchmarks time the
+        training step alone).
+        """
         ex = self.executor
-        evaluate = (epoch + 1) % self.cfg.train.eval_every == 0 or (
-            epoch + 1 == self.cfg.train.epochs)
+        if evaluate is None:
+            evaluate = (epoch + 1) % self.cfg.train.eval_every == 0 or (
+                epoch + 1 == self.cfg.train.epochs)
         bar = None
         if progress:
             from tqdm import tqdm
@@ -223,6 +239,7 @@ class Trainer:
                "val_acc": acc.accuracy("val") if acc else None,
                "test_acc": acc.accuracy("test") if acc else None,
                "epoch_s": dt, **ex.mover.traffic.as_dict(),
+               "time_compute_s": max(0.0, dt - ex.mover.traffic.moving_s()),
                "peak_device_bytes": int(peak), "peak_measured": measured}
         return rec
 

@@ -5,23 +5,42 @@ byte and row counters it keeps are the engine's real traffic. On CPU the
 "device" is host memory too: the same calls copy between tensors, so the
 algorithm and the counters are identical in both modes.
 
-Device staging buffers are allocated once (sized by the largest chunk) and
+On a GPU, host buffers are pinned in place; neighbour rows are gathered by the
+GPU straight from them through a device view (zero-copy, sorted ids),
+contiguous ranges move by DMA, and gradients leaving the device are copied to a
+pinned staging area and added into the host buffer by a parallel numba kernel
+(ids of one flush are unique, so rows never collide).
+
+Device staging slots are allocated once (sized by the largest chunk) and
 handed out as views; the batch loop does not allocate host memory.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, fields
 
+import numba
+import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["Traffic", "Mover"]
+from hongtu.engine.pinned import device_view
+
+__all__ = ["Mover", "Traffic"]
+
+
+@numba.njit(parallel=True, cache=True)
+def _scatter_add_rows(host, ids, vals):
+    for i in numba.prange(ids.shape[0]):
+        r = ids[i]
+        for k in range(vals.shape[1]):
+            host[r, k] += vals[i, k]
 
 
 @dataclass
 class Traffic:
-    """Bytes and rows moved in one epoch, by direction."""
+    """Bytes and rows moved in one epoch, by direction, and where the time went."""
 
     h2d_bytes: int = 0
     d2h_bytes: int = 0
@@ -29,10 +48,18 @@ class Traffic:
     h2d_rows: int = 0
     d2h_rows: int = 0
     d2d_rows: int = 0
+    time_h2d_s: float = 0.0
+    time_d2h_s: float = 0.0
+    time_d2d_s: float = 0.0
+    time_cpu_s: float = 0.0
 
     def reset(self) -> None:
         for f in fields(self):
-            setattr(self, f.name, 0)
+            setattr(self, f.name, type(getattr(self, f.name))(0))
+
+    def moving_s(self) -> float:
+        """Seconds spent moving data (transfers and CPU accumulation)."""
+        return self.time_h2d_s + self.time_d2h_s + self.time_d2d_s + self.time_cpu_s
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -47,72 +74,114 @@ class Mover:
             input that is live at the same time as the others).
         max_width: the widest row (elements).
         dtype: element type of the buffers.
+        timed: synchronise around transfers to attribute time to them (the
+            executor does not overlap transfers with compute yet, so this
+            costs nothing it would otherwise gain).
     """
 
     def __init__(self, device: torch.device, slots: dict[str, int], max_width: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, timed: bool = True) -> None:
         self.device = device
         self.dtype = dtype
         self.traffic = Traffic()
         self.cuda = device.type == "cuda"
+        self.timed = timed
         sizes = {s: max(int(rows) * int(max_width), 1) for s, rows in slots.items()}
         self._dev = {s: torch.empty(n, dtype=dtype, device=device) for s, n in sizes.items()}
-        # Host-side staging for gathers when the device is a GPU: pinned, so the
-        # copy is a DMA transfer.
+        # Pinned staging for gradient flushes: DMA to it, then add on the CPU.
         self._stage = (torch.empty(max(sizes.values()), dtype=dtype, pin_memory=True)
                        if self.cuda else None)
+        self._views: dict[int, Tensor] = {}
         self.itemsize = torch.empty((), dtype=dtype).element_size()
 
     def _slot(self, slot: str, rows: int, width: int) -> Tensor:
         return self._dev[slot][: rows * width].view(rows, width)
 
+    def _view(self, host: Tensor) -> Tensor | None:
+        """The zero-copy device view of a pinned host buffer (``None`` if not pinned)."""
+        key = host.data_ptr()
+        if key not in self._views:
+            self._views[key] = device_view(host, self.device) if host.is_pinned() else None
+        return self._views[key]
+
     def device_bytes(self) -> int:
         """Bytes of the staging slots on the device."""
         return sum(t.numel() for t in self._dev.values()) * self.itemsize
 
+    def _clock(self) -> float:
+        if self.timed and self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        return time.perf_counter()
+
     # ----------------------------------------------------------- host -> dev
     def load_rows(self, host: Tensor, ids: Tensor, slot: str = "src") -> Tensor:
-        """``host[ids]`` on the device (``ids`` is a host int64 tensor, sorted)."""
+        """``host[ids]`` on the device; ``ids`` sorted int64 on the device."""
+        t0 = self._clock()
         rows, width = int(ids.shape[0]), int(host.shape[1])
         out = self._slot(slot, rows, width)
-        if self.cuda:
+        view = self._view(host) if self.cuda else host
+        if view is not None:
+            torch.index_select(view, 0, ids, out=out)
+        else:  # unpinned host memory: gather on the CPU, then one copy
             stage = self._stage[: rows * width].view(rows, width)
-            torch.index_select(host, 0, ids, out=stage)
+            torch.index_select(host, 0, ids.cpu(), out=stage)
             out.copy_(stage, non_blocking=True)
             torch.cuda.current_stream(self.device).synchronize()
-        else:
-            torch.index_select(host, 0, ids, out=out)
         self.traffic.h2d_rows += rows
         self.traffic.h2d_bytes += rows * width * self.itemsize
+        self.traffic.time_h2d_s += self._clock() - t0
         return out
 
     def load_range(self, host: Tensor, start: int, stop: int, slot: str = "dst") -> Tensor:
         """``host[start:stop]`` on the device (one contiguous copy)."""
+        t0 = self._clock()
         rows, width = stop - start, int(host.shape[1])
         out = self._slot(slot, rows, width)
-        out.copy_(host[start:stop], non_blocking=False)
+        out.copy_(host[start:stop], non_blocking=True)
         self.traffic.h2d_rows += rows
         self.traffic.h2d_bytes += rows * width * self.itemsize
+        self.traffic.time_h2d_s += self._clock() - t0
         return out
 
     # ----------------------------------------------------------- dev -> host
     def store_range(self, host: Tensor, start: int, value: Tensor) -> None:
         """``host[start:start+len(value)] = value``."""
+        t0 = self._clock()
         rows = int(value.shape[0])
-        host[start:start + rows].copy_(value.detach())
+        host[start:start + rows].copy_(value.detach(), non_blocking=True)
         self.traffic.d2h_rows += rows
         self.traffic.d2h_bytes += value.numel() * self.itemsize
+        self.traffic.time_d2h_s += self._clock() - t0
+
+    def _to_host(self, value: Tensor) -> np.ndarray:
+        value = value.detach()
+        if not self.cuda:
+            return value.contiguous().numpy()
+        stage = self._stage[: value.numel()].view(value.shape)
+        stage.copy_(value, non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()  # the CPU reads it next
+        return stage.numpy()
 
     def add_range(self, host: Tensor, start: int, value: Tensor) -> None:
         """``host[start:start+len(value)] += value``."""
-        rows = int(value.shape[0])
-        host[start:start + rows] += value.detach().to(host.device)
-        self.traffic.d2h_rows += rows
-        self.traffic.d2h_bytes += value.numel() * self.itemsize
+        t0 = self._clock()
+        vals = self._to_host(value)
+        t1 = time.perf_counter()
+        rows = host[start:start + vals.shape[0]].numpy()
+        np.add(rows, vals.reshape(rows.shape), out=rows)
+        self._count_flush(value, t0, t1)
 
-    def add_rows(self, host: Tensor, ids: Tensor, value: Tensor) -> None:
-        """``host[ids] += value`` (``ids`` unique, host int64)."""
-        rows = int(ids.shape[0])
-        host.index_add_(0, ids, value.detach().to(host.device))
-        self.traffic.d2h_rows += rows
+    def add_rows(self, host: Tensor, ids: np.ndarray, value: Tensor) -> None:
+        """``host[ids] += value`` (``ids`` unique, a host int64 array)."""
+        t0 = self._clock()
+        vals = self._to_host(value)
+        t1 = time.perf_counter()
+        _scatter_add_rows(host.numpy(), ids, vals.reshape(vals.shape[0], -1))
+        self._count_flush(value, t0, t1)
+
+    def _count_flush(self, value: Tensor, t0: float, t1: float) -> None:
+        t2 = time.perf_counter()
+        self.traffic.d2h_rows += int(value.shape[0])
         self.traffic.d2h_bytes += value.numel() * self.itemsize
+        self.traffic.time_d2h_s += t1 - t0
+        self.traffic.time_cpu_s += t2 - t1

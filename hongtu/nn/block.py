@@ -84,8 +84,10 @@ class Block:
         key = "edge_dst"
         if key not in self._cache:
             counts = self.indptr[1:] - self.indptr[:-1]
+            # output_size: no device->host sync to learn the length.
             self._cache[key] = torch.repeat_interleave(
-                torch.arange(self.num_dst, device=self.device), counts)
+                torch.arange(self.num_dst, device=self.device), counts,
+                output_size=self.num_edges)
         return self._cache[key]
 
     def edge_src(self) -> Tensor:
@@ -94,12 +96,19 @@ class Block:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Block:
         """A copy with every tensor on ``device`` (the per-pass cache is dropped)."""
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> Block:
+        """A copy in pinned host memory, so copies to a GPU are DMA transfers."""
+        return self._map(lambda t: t.pin_memory())
+
+    def _map(self, fn) -> Block:
         kw = {}
         for f in fields(self):
-            v = getattr(self, f.name)
             if f.name == "_cache":
                 continue
-            kw[f.name] = v.to(device, non_blocking=non_blocking) if isinstance(v, Tensor) else v
+            v = getattr(self, f.name)
+            kw[f.name] = fn(v) if isinstance(v, Tensor) else v
         return Block(**kw)
 
     def nbytes(self) -> int:

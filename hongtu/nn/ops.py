@@ -40,8 +40,10 @@ def _csr_mm(indptr: Tensor, indices: Tensor, values: Tensor, x: Tensor, nrows: i
     if indices.numel() == 0 or x.shape[0] == 0:
         return x.new_zeros((nrows,) + tuple(x.shape[1:]))
     shape = x.shape
-    x2 = x.reshape(shape[0], -1)
-    a = torch.sparse_csr_tensor(indptr, indices, values.to(x.dtype), size=(nrows, shape[0]),
+    x2 = x.reshape(shape[0], -1).contiguous()
+    # cuSPARSE reads raw pointers: values and dense operand must be contiguous.
+    a = torch.sparse_csr_tensor(indptr, indices, values.to(x.dtype).contiguous(),
+                                size=(nrows, shape[0]),
                                 check_invariants=False)
     return (a @ x2).reshape((nrows,) + tuple(shape[1:]))
 
@@ -212,17 +214,41 @@ def dropout_mask(ids: Tensor, width: int, p: float, seed: int) -> Tensor:
         _mask_kernel(ids.numpy().astype(np.int64, copy=False), width, np.uint64(seed & _M32),
                      np.uint64((seed >> 32) & _M32), np.uint64(threshold), out)
         return torch.from_numpy(out)
+    if ids.device.type == "cuda" and _triton_mask() is not None:
+        return _triton_mask()(ids, width, threshold, seed)
     return _dropout_mask_torch(ids, width, threshold, seed)
+
+
+def _triton_mask():
+    """The Triton kernel when Triton is importable (GPU machines), else ``None``."""
+    global _TRITON
+    if _TRITON is False:
+        try:
+            from hongtu.nn._triton_dropout import dropout_mask_triton
+        except ImportError:
+            dropout_mask_triton = None
+        _TRITON = dropout_mask_triton
+    return _TRITON
+
+
+_TRITON = False
+
+
+#: elements hashed at a time off the CPU: bounds the int64 temporaries (~48 B each)
+MASK_BLOCK = 1 << 22
 
 
 def _dropout_mask_torch(ids: Tensor, width: int, threshold: int, seed: int) -> Tensor:
     ids = ids.to(torch.int64)
-    cols = torch.arange(width, device=ids.device, dtype=torch.int64)
-    key = ids.view(-1, 1) * width + cols.view(1, -1)
-    s = seed & _M32
-    h = _fmix32((key >> 32) ^ s)
-    h = _fmix32((key & _M32) ^ h ^ ((seed >> 32) & _M32))
-    return h >= threshold
+    out = torch.empty((ids.shape[0], width), dtype=torch.bool, device=ids.device)
+    cols = torch.arange(width, device=ids.device, dtype=torch.int64).view(1, -1)
+    step = max(1, MASK_BLOCK // max(width, 1))
+    for r in range(0, ids.shape[0], step):
+        key = ids[r:r + step].view(-1, 1) * width + cols
+        h = _fmix32((key >> 32) ^ (seed & _M32))
+        h = _fmix32((key & _M32) ^ h ^ ((seed >> 32) & _M32))
+        torch.ge(h, threshold, out=out[r:r + step])
+    return out
 
 
 def dropout(x: Tensor, ids: Tensor, p: float, seed: int, training: bool = True) -> Tensor:
@@ -239,4 +265,4 @@ def dropout(x: Tensor, ids: Tensor, p: float, seed: int, training: bool = True) 
         return x
     width = x[0].numel()
     mask = dropout_mask(ids, width, p, seed).view(x.shape)
-    return x * mask.to(x.dtype) * (1.0 / (1.0 - p))
+    return (x * mask).mul_(1.0 / (1.0 - p))

@@ -21,3 +21,15 @@ def test_huge_ids_do_not_collide():
     ids = torch.tensor([0, 2**32 // 64, 2**33, 2**40], dtype=torch.int64)
     m = ops.dropout_mask(ids, 64, 0.5, 7)
     assert len({tuple(r.tolist()) for r in m}) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", [0, 12345678901234, 2**62 + 77])
+def test_triton_kernel_matches_cpu_kernel(seed):
+    pytest.importorskip("triton")
+    from hongtu.nn._triton_dropout import dropout_mask_triton
+
+    ids = torch.randint(0, 2**34, (5000,), dtype=torch.int64)
+    cpu = ops.dropout_mask(ids, 37, 0.3, seed)
+    gpu = dropout_mask_triton(ids.cuda(), 37, int(0.3 * 2**32), seed).cpu()
+    assert torch.equal(cpu, gpu)

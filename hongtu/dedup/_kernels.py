@@ -1,0 +1,275 @@
+r"""numba kernels of the transfer planner.
+
+Every set here is a sorted, duplicate-free run of vertex ids stored as a
+*segment* ``vals[start:stop]`` of some flat array, so the planner never
+copies a set to look at it. The kernels are linear in the sizes of the sets
+they touch (merges, stamp arrays), never ``O(|V|)`` per set unless a bitmap
+scan is cheaper than the sort it replaces.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import numba
+import numpy as np
+
+__all__ = ["parallel_kernel", "count_unique", "fill_unique", "merge_sorted", "intersect_counts",
+           "assign_slots", "lookup_slots", "gather_segments"]
+
+#: Below this many elements (largest array argument) a kernel runs serially:
+#: waking the thread pool costs from ~0.1 ms up to a scheduler time slice on
+#: a loaded machine, more than the work itself.
+SERIAL_BELOW = 1 << 16
+
+
+class parallel_kernel:
+    """Compile a ``prange`` kernel twice: parallel for big inputs, serial for small ones.
+
+    The serial copy gets its own qualified name, so numba's on-disk cache
+    keeps the two apart.
+    """
+
+    def __init__(self, fn):
+        self.parallel = numba.njit(parallel=True, cache=True)(fn)
+        clone = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial",
+                                   fn.__defaults__, fn.__closure__)
+        clone.__qualname__ = fn.__qualname__ + "_serial"
+        clone.__doc__ = fn.__doc__
+        self.serial = numba.njit(cache=True)(clone)
+        self.__doc__ = fn.__doc__
+        self.__name__ = fn.__name__
+
+    def __call__(self, *args):
+        work = max((a.size for a in args if isinstance(a, np.ndarray)), default=0)
+        return (self.parallel if work >= SERIAL_BELOW else self.serial)(*args)
+
+
+@parallel_kernel
+def count_unique(values, gptr, seg_start, seg_stop, num_nodes, workers, counts):
+    """``counts[g]`` = number of distinct values in the segments of group ``g``.
+
+    Group ``g`` is the union of segments ``gptr[g]:gptr[g+1]``. One stamp
+    array per worker (stamp = group id) finds repeats without any reset;
+    groups are dealt to workers round-robin. Needs ``num_groups < 2**31``.
+    """
+    num_groups = gptr.shape[0] - 1
+    for w in numba.prange(workers):
+        mark = np.full(num_nodes, -1, dtype=np.int32)
+        for g in range(w, num_groups, workers):
+            c = 0
+            for s in range(gptr[g], gptr[g + 1]):
+                for e in range(seg_start[s], seg_stop[s]):
+                    u = values[e]
+                    if mark[u] != g:
+                        mark[u] = g
+                        c += 1
+            counts[g] = c
+
+
+@parallel_kernel
+def fill_unique(values, gptr, seg_start, seg_stop, num_nodes, workers, ptr, out):
+    """Write the sorted distinct values of every group to ``out[ptr[g]:ptr[g+1]]``.
+
+    Values are collected once (first-seen order) and then either sorted in
+    place or, when the id range they span is small next to ``k log k``,
+    re-emitted in order by scanning a per-worker flag array over that range.
+    """
+    num_groups = gptr.shape[0] - 1
+    for w in numba.prange(workers):
+        flag = np.zeros(num_nodes, dtype=np.uint8)
+        for g in range(w, num_groups, workers):
+            o = ptr[g]
+            cnt = ptr[g + 1] - o
+            if cnt == 0:
+                continue
+            lo = num_nodes
+            hi = -1
+            k = o
+            for s in range(gptr[g], gptr[g + 1]):
+                for e in range(seg_start[s], seg_stop[s]):
+                    u = values[e]
+                    if flag[u] == 0:
+                        flag[u] = 1
+                        out[k] = u
+                        k += 1
+                        if u < lo:
+                            lo = u
+                        if u > hi:
+                            hi = u
+            if hi - lo + 1 <= 2.0 * cnt * (math.log2(cnt) + 1.0):
+                k = o
+                for u in range(lo, hi + 1):
+                    if flag[u] != 0:
+                        flag[u] = 0
+                        out[k] = u
+                        k += 1
+            else:
+                for t in range(o, o + cnt):
+                    flag[out[t]] = 0
+                out[o:o + cnt].sort()
+
+
+@parallel_kernel
+def merge_sorted(values, gptr, seg_start, seg_stop, ptr, out, counts):
+    """Union of groups of *sorted* segments by a k-way merge (sequential reads).
+
+    With ``out`` empty only ``counts[g]`` (the union sizes) are computed;
+    otherwise group ``g``'s union is written to ``out[ptr[g]:ptr[g+1]]``.
+    """
+    write = out.shape[0] > 0
+    for g in numba.prange(gptr.shape[0] - 1):
+        a = gptr[g]
+        k = gptr[g + 1] - a
+        pos = seg_start[a:a + k].copy()
+        end = seg_stop[a:a + k]
+        o = ptr[g]
+        c = 0
+        while True:
+            best = -1
+            bv = values[0]
+            for s in range(k):
+                if pos[s] < end[s]:
+                    v = values[pos[s]]
+                    if best < 0 or v < bv:
+                        bv = v
+                        best = s
+            if best < 0:
+                break
+            for s in range(k):
+                if pos[s] < end[s] and values[pos[s]] == bv:
+                    pos[s] += 1
+            if write:
+                out[o + c] = bv
+            c += 1
+        counts[g] = c
+
+
+@parallel_kernel
+def intersect_counts(a_vals, a_start, a_stop, b_vals, b_start, b_stop, out):
+    """``out[p] = |a_p ∩ b_p|`` for pairs of sorted segments (merge)."""
+    for p in numba.prange(out.shape[0]):
+        i, i1 = a_start[p], a_stop[p]
+        j, j1 = b_start[p], b_stop[p]
+        c = 0
+        while i < i1 and j < j1:
+            x, y = a_vals[i], b_vals[j]
+            if x < y:
+                i += 1
+            elif y < x:
+                j += 1
+            else:
+                c += 1
+                i += 1
+                j += 1
+        out[p] = c
+
+
+@numba.njit(cache=True)
+def assign_slots(vals, start, stop, reuse, slot_of, occ, res_slots, load_ptr, load_ids,
+                 load_slots, flush_ptr, flush_ids, flush_slots):
+    """Walk one device's resident sets step by step and give every row a slot.
+
+    Step ``s`` keeps ``R_s = vals[start[s]:stop[s]]`` resident. Before it,
+    the rows of ``R_{s-1}`` that ``R_s`` does not hold (all of them without
+    ``reuse``) are flushed and their slots freed; then every row of ``R_s``
+    without a slot takes the lowest free slot, in id order, and is loaded.
+    Kept rows keep their slot (in-place reuse). After the last step every
+    row is flushed. ``slot_of`` (``-1`` = not resident, size ``|V|``) and
+    ``occ`` (``num_slots``) are scratch and are left clean.
+
+    Lowest-free placement keeps every slot below ``max_s |R_s|``: the new
+    rows of step ``s`` fill the gaps below ``|R_s|`` left by the kept rows.
+    """
+    num_steps = start.shape[0]
+    nl = 0
+    nf = 0
+    load_ptr[0] = 0
+    flush_ptr[0] = 0
+    for s in range(num_steps):
+        a, b = start[s], stop[s]
+        if s > 0:
+            j = a
+            for t in range(start[s - 1], stop[s - 1]):
+                u = vals[t]
+                if reuse:
+                    while j < b and vals[j] < u:
+                        j += 1
+                    if j < b and vals[j] == u:
+                        continue
+                sl = slot_of[u]
+                flush_ids[nf] = u
+                flush_slots[nf] = sl
+                nf += 1
+                occ[sl] = False
+                slot_of[u] = -1
+            flush_ptr[s] = nf
+        p = 0
+        for t in range(a, b):
+            u = vals[t]
+            sl = slot_of[u]
+            if sl < 0:
+                while occ[p]:
+                    p += 1
+                sl = p
+                occ[p] = True
+                slot_of[u] = sl
+                load_ids[nl] = u
+                load_slots[nl] = sl
+                nl += 1
+            res_slots[t] = sl
+        load_ptr[s + 1] = nl
+    if num_steps > 0:
+        for t in range(start[num_steps - 1], stop[num_steps - 1]):
+            u = vals[t]
+            sl = slot_of[u]
+            flush_ids[nf] = u
+            flush_slots[nf] = sl
+            nf += 1
+            occ[sl] = False
+            slot_of[u] = -1
+        flush_ptr[num_steps] = nf
+    return nl, nf
+
+
+@parallel_kernel
+def lookup_slots(q_vals, q_start, q_stop, r_vals, r_start, r_stop, r_slots, lo, hi, recv_base,
+                 out_ptr, out):
+    """Slots of the rows of query segments, found in resident segments.
+
+    Query ``q`` (sorted ids) is answered against resident segment ``q``
+    (sorted, aligned slots ``r_slots``): an id in ``[lo[q], hi[q])`` must be
+    resident and gets its slot; any other id is a received row and gets
+    ``recv_base + r`` where ``r`` counts the received ids of the query so
+    far. An owned id missing from the resident set gets ``-1`` (a bug the
+    caller checks for).
+    """
+    for q in numba.prange(q_start.shape[0]):
+        j = r_start[q]
+        j1 = r_stop[q]
+        r = 0
+        o = out_ptr[q]
+        for t in range(q_start[q], q_stop[q]):
+            u = q_vals[t]
+            if lo[q] <= u < hi[q]:
+                while j < j1 and r_vals[j] < u:
+                    j += 1
+                if j < j1 and r_vals[j] == u:
+                    out[o] = r_slots[j]
+                else:
+                    out[o] = -1
+            else:
+                out[o] = recv_base + r
+                r += 1
+            o += 1
+
+
+@parallel_kernel
+def gather_segments(vals, start, stop, out_ptr, out):
+    """Concatenate segments ``vals[start[q]:stop[q]]`` into ``out`` at ``out_ptr[q]``."""
+    for q in numba.prange(start.shape[0]):
+        o = out_ptr[q]
+        for t in range(start[q], stop[q]):
+            out[o] = vals[t]
+            o += 1

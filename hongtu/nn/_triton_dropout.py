@@ -1,0 +1,51 @@
+"""The counter-based dropout hash as one Triton kernel (GPU).
+
+Bit-identical to the tensor-op version in :mod:`hongtu.nn.ops` (a test on a
+GPU checks it): one launch writes the whole keep-mask instead of ~25
+elementwise int64 kernels per block of rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK = 1024
+
+
+@triton.jit
+def _fmix32(h):
+    # int64 lanes holding 32-bit values; products wrap mod 2^64, whose low 32
+    # bits are the 32-bit product, so masking restores exact uint32 arithmetic.
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def _mask_kernel(ids_ptr, out_ptr, total, width, seed_lo, seed_hi, threshold,
+                 BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < total
+    row = offs // width
+    col = offs - row * width
+    vid = tl.load(ids_ptr + row, mask=valid, other=0)
+    key = vid * width + col                                  # int64, non-negative
+    h = _fmix32((key >> 32) ^ seed_lo)
+    h = _fmix32((key & 0xFFFFFFFF) ^ h ^ seed_hi)
+    tl.store(out_ptr + offs, h >= threshold, mask=valid)
+
+
+def dropout_mask_triton(ids: torch.Tensor, width: int, threshold: int, seed: int) -> torch.Tensor:
+    """Keep-mask ``(len(ids), width)`` computed on the GPU in one launch."""
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty((ids.shape[0], width), dtype=torch.bool, device=ids.device)
+    total = ids.shape[0] * width
+    if total:
+        grid = (triton.cdiv(total, _BLOCK),)
+        _mask_kernel[grid](ids, out, total, width, seed & 0xFFFFFFFF,
+                           (seed >> 32) & 0xFFFFFFFF, threshold, BLOCK=_BLOCK)
+    return out

@@ -1,0 +1,314 @@
+r"""Greedy two-phase chunk reorganizer and the transfer cost model (HongTu Alg. 4, Eq. 4).
+
+The batch order decides which chunks share a transition set (phase 1: which
+chunk of every part goes into which batch) and which transition sets follow
+each other (phase 2: the order of the batches). Both phases are greedy:
+
+1. (``m > 1``) part 0's chunks seed the ``n`` batches; for each further part
+   the pairs (chunk, batch) are taken by decreasing
+   :math:`|N_c \cap T_b|`, each chunk and each batch once, and the batches'
+   transition sets grow by the chunks they get.
+2. The batches are chained by nearest neighbour on
+   :math:`|T_a \cap T_b|` (every start tried, or the 16 largest sets for
+   many batches), keeping the chain with the largest total overlap.
+
+Overlaps are counted by a numba kernel over an inverted index (vertex ->
+sets holding it), never with Python sets. The result is kept only if its
+cost :func:`cost` is below the identity order's, so reorganizing never
+increases :math:`C`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numba
+import numpy as np
+
+from hongtu.dedup._kernels import parallel_kernel
+from hongtu.dedup.sets import (
+    Volumes,
+    check_order,
+    identity_order,
+    neighbour_sets,
+    transfer_volumes,
+    transition_sets,
+)
+
+__all__ = ["DEFAULT_ROW_BYTES", "T_DD", "T_HD", "T_RU", "ReorgResult", "cost", "group_batches",
+           "order_batches", "reorganize", "reorganize_report"]
+
+#: Host -> device throughput (B/s): GPU gather of random rows from pinned host
+#: memory, measured on an H200 (DESIGN.md §3; a contiguous copy reaches 55e9).
+T_HD = 21e9
+#: Device <-> device throughput (B/s): NVLink peer copy on nvidia-h200-x4.
+T_DD = 393e9
+#: In-place reuse throughput (B/s): rows already in device memory.
+T_RU = 2e12
+#: Row size assumed when neither the plan nor the caller gives one (128 fp32).
+DEFAULT_ROW_BYTES = 512
+
+
+def cost(plan, t_hd: float = T_HD, t_dd: float = T_DD, t_ru: float = T_RU,
+         row_bytes: int | None = None) -> float:
+    r"""Transfer time of one pass under the paper's cost model, in seconds.
+
+    .. math::
+
+        C = \frac{V_{+ru}}{T_{hd}} + \frac{V_{ori} - V_{+p2p}}{T_{dd}}
+            + \frac{V_{+p2p} - V_{+ru}}{T_{ru}}
+
+    with volumes in bytes (rows times ``row_bytes``).
+
+    Args:
+        plan: anything with ``v_ori, v_p2p, v_ru`` in rows (a
+            :class:`~hongtu.dedup.TransferPlan` or :class:`~hongtu.dedup.Volumes`).
+        t_hd: host -> device bytes/s (default :data:`T_HD`).
+        t_dd: device <-> device bytes/s (default :data:`T_DD`).
+        t_ru: in-place reuse bytes/s (default :data:`T_RU`).
+        row_bytes: bytes per row; default the plan's ``row_bytes``, else
+            :data:`DEFAULT_ROW_BYTES`.
+    """
+    rb = row_bytes or getattr(plan, "row_bytes", None) or DEFAULT_ROW_BYTES
+    return float(rb) * (plan.v_ru / t_hd + (plan.v_ori - plan.v_p2p) / t_dd
+                        + (plan.v_p2p - plan.v_ru) / t_ru)
+
+
+# ------------------------------------------------------------------ kernels
+@parallel_kernel
+def _inverse(ptr, ids, num_nodes, workers):
+    """Vertex -> sets holding it, as CSR (sets ascending per vertex).
+
+    Sets are sorted, so worker ``w`` handles the id range
+    ``[bounds[w], bounds[w+1])`` of every set: it alone counts and writes
+    those vertices' lists, without atomics.
+    """
+    num_sets = ptr.shape[0] - 1
+    bounds = np.empty(workers + 1, dtype=np.int64)
+    for w in range(workers + 1):
+        bounds[w] = (num_nodes * w) // workers
+    cut = np.empty((num_sets, workers + 1), dtype=np.int64)
+    for s in numba.prange(num_sets):
+        seg = ids[ptr[s]:ptr[s + 1]]
+        for w in range(workers + 1):
+            cut[s, w] = ptr[s] + np.searchsorted(seg, bounds[w])
+    inv_ptr = np.zeros(num_nodes + 1, dtype=np.int64)
+    for w in numba.prange(workers):
+        for s in range(num_sets):
+            for t in range(cut[s, w], cut[s, w + 1]):
+                inv_ptr[ids[t] + 1] += 1
+    for v in range(num_nodes):
+        inv_ptr[v + 1] += inv_ptr[v]
+    inv = np.empty(ids.shape[0], dtype=np.int64)
+    for w in numba.prange(workers):
+        for s in range(num_sets):
+            for t in range(cut[s, w], cut[s, w + 1]):
+                u = ids[t]
+                # inv_ptr[u] doubles as u's cursor; restored below.
+                inv[inv_ptr[u]] = s
+                inv_ptr[u] += 1
+    for v in range(num_nodes, 0, -1):
+        inv_ptr[v] = inv_ptr[v - 1]
+    inv_ptr[0] = 0
+    return inv_ptr, inv
+
+
+def _inverted(ptr: np.ndarray, ids: np.ndarray, num_nodes: int) -> tuple[np.ndarray, np.ndarray]:
+    workers = max(1, min(num_nodes, 4 * numba.get_num_threads()))
+    return _inverse(ptr, ids, num_nodes, workers)
+
+
+@parallel_kernel
+def _overlaps(q_ptr, q_ids, q_sel, inv_ptr, inv, out):
+    """``out[r, s] = |Q_{q_sel[r]} ∩ S_s|``: one row per query set (rows in parallel)."""
+    for r in numba.prange(q_sel.shape[0]):
+        q = q_sel[r]
+        for t in range(q_ptr[q], q_ptr[q + 1]):
+            u = q_ids[t]
+            for e in range(inv_ptr[u], inv_ptr[u + 1]):
+                out[r, inv[e]] += 1
+
+
+@numba.njit(cache=True)
+def _greedy_match(score):
+    """Greedy assignment on a square matrix: ``col[row]``, best pairs first, ties by index."""
+    n = score.shape[0]
+    flat = score.ravel()
+    idx = np.argsort(-flat, kind="mergesort")
+    col_of = np.full(n, -1, dtype=np.int64)
+    used = np.zeros(n, dtype=np.bool_)
+    left = n
+    for t in range(idx.shape[0]):
+        if left == 0:
+            break
+        r, c = idx[t] // n, idx[t] % n
+        if col_of[r] < 0 and not used[c]:
+            col_of[r] = c
+            used[c] = True
+            left -= 1
+    return col_of
+
+
+@numba.njit(cache=True)
+def _nearest_chain(w, starts):
+    """Best nearest-neighbour chain over ``w`` (maximise consecutive overlap)."""
+    n = w.shape[0]
+    best = np.arange(n)
+    best_total = -1
+    for s0 in starts:
+        seen = np.zeros(n, dtype=np.bool_)
+        path = np.empty(n, dtype=np.int64)
+        path[0] = s0
+        seen[s0] = True
+        total = 0
+        for t in range(1, n):
+            last = path[t - 1]
+            nxt = -1
+            for b in range(n):
+                if not seen[b] and (nxt < 0 or w[last, b] > w[last, nxt]):
+                    nxt = b
+            path[t] = nxt
+            seen[nxt] = True
+            total += w[last, nxt]
+        if total > best_total:
+            best_total = total
+            best = path
+    return best
+
+
+# ------------------------------------------------------------------ phases
+def _group(nb_ptr, nb_ids, m, n, num_nodes):
+    """Phase 1; also returns the transition sets of the grouped order."""
+    order = identity_order(m, n)
+    t_ptr, t_ids = nb_ptr[:n + 1], nb_ids[:int(nb_ptr[n])]     # part 0 seeds the batches
+    for i in range(1, m):
+        inv_ptr, inv = _inverted(t_ptr, t_ids, num_nodes)
+        score = np.zeros((n, n), dtype=np.int64)          # [chunk j of part i, batch b]
+        _overlaps(nb_ptr, nb_ids, np.arange(i * n, (i + 1) * n, dtype=np.int64), inv_ptr, inv,
+                  score)
+        batch_of = _greedy_match(score)
+        order[batch_of, i] = i * n + np.arange(n)
+        t_ptr, t_ids = transition_sets(nb_ptr, nb_ids, order[:, :i + 1], num_nodes)
+    return order, (t_ptr, t_ids)
+
+
+def _chain(t_ptr, t_ids, num_nodes, max_starts=16):
+    """Phase 2 on given transition sets: the batch permutation."""
+    n = t_ptr.shape[0] - 1
+    if n <= 2:
+        return np.arange(n, dtype=np.int64)
+    inv_ptr, inv = _inverted(t_ptr, t_ids, num_nodes)
+    w = np.zeros((n, n), dtype=np.int64)
+    _overlaps(t_ptr, t_ids, np.arange(n, dtype=np.int64), inv_ptr, inv, w)
+    by_size = np.argsort(-np.diff(t_ptr), kind="stable")
+    starts = by_size if n <= 256 else by_size[:max_starts]
+    return _nearest_chain(w, np.ascontiguousarray(starts, dtype=np.int64))
+
+
+def group_batches(nb_ptr: np.ndarray, nb_ids: np.ndarray, num_parts: int, num_chunks: int,
+                  num_nodes: int) -> np.ndarray:
+    r"""Phase 1: a batch order whose batches share many neighbours (identity for ``m = 1``).
+
+    Args:
+        nb_ptr, nb_ids: :func:`~hongtu.dedup.neighbour_sets` of the graph.
+        num_parts: ``m``.
+        num_chunks: ``n``.
+        num_nodes: ``|V|``.
+    """
+    return _group(nb_ptr, nb_ids, num_parts, num_chunks, num_nodes)[0]
+
+
+def order_batches(nb_ptr: np.ndarray, nb_ids: np.ndarray, order: np.ndarray,
+                  num_nodes: int, max_starts: int = 16) -> np.ndarray:
+    r"""Phase 2: reorder the rows of ``order`` so consecutive transition sets overlap most.
+
+    Args:
+        nb_ptr, nb_ids: :func:`~hongtu.dedup.neighbour_sets` of the graph.
+        order: ``(n, m)`` batch order whose batches are kept, reordered.
+        num_nodes: ``|V|``.
+        max_starts: chain starts tried when there are more than 256 batches.
+    """
+    t_ptr, t_ids = transition_sets(nb_ptr, nb_ids, order, num_nodes)
+    return order[_chain(t_ptr, t_ids, num_nodes, max_starts)]
+
+
+@dataclass
+class ReorgResult:
+    """The chosen order, and the cost and volumes of every candidate tried.
+
+    Args:
+        order: int64 ``(n, m)`` batch order with the lowest cost.
+        chosen: name of that candidate (``'identity'``, ``'order'``,
+            ``'group+order'``).
+        costs: seconds per pass of each candidate (:func:`cost`).
+        volumes: :class:`~hongtu.dedup.Volumes` of each candidate.
+    """
+
+    order: np.ndarray
+    chosen: str
+    costs: dict[str, float] = field(default_factory=dict)
+    volumes: dict[str, Volumes] = field(default_factory=dict)
+
+
+def reorganize_report(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarray,
+                      num_parts: int, num_chunks: int, *,
+                      neighbours: tuple[np.ndarray, np.ndarray] | None = None,
+                      row_bytes: int | None = None, t_hd: float = T_HD, t_dd: float = T_DD,
+                      t_ru: float = T_RU, phase1: bool = True,
+                      phase2: bool = True) -> ReorgResult:
+    """:func:`reorganize`, also returning the cost of every candidate order."""
+    m, n = int(num_parts), int(num_chunks)
+    indptr = np.asarray(indptr, dtype=np.int64)
+    num_nodes = indptr.shape[0] - 1
+    nb_ptr, nb_ids = neighbours if neighbours is not None else neighbour_sets(
+        indptr, indices, chunk_ptr)
+    if nb_ptr.shape[0] != m * n + 1:
+        raise ValueError(f"{nb_ptr.shape[0] - 1} neighbour sets for {m} x {n} chunks")
+    ident = identity_order(m, n)
+    t_ident = transition_sets(nb_ptr, nb_ids, ident, num_nodes)
+    # name -> (order, transition sets of its batches in some base order, rows).
+    candidates = {"identity": (ident, t_ident, None)}
+    if phase2:
+        rows = _chain(*t_ident, num_nodes)
+        candidates["order"] = (ident[rows], t_ident, rows)
+    if phase1 and m > 1:
+        grouped, t_group = _group(nb_ptr, nb_ids, m, n, num_nodes)
+        rows = _chain(*t_group, num_nodes) if phase2 else None
+        candidates["group+order"] = (grouped if rows is None else grouped[rows], t_group, rows)
+    res = ReorgResult(order=ident, chosen="identity")
+    for name, (order, trans, rows) in candidates.items():
+        check_order(order, m, n)
+        vol = transfer_volumes(nb_ptr, nb_ids, order, num_nodes, row_bytes=row_bytes,
+                               transitions=trans, rows=rows)
+        res.volumes[name] = vol
+        res.costs[name] = cost(vol, t_hd, t_dd, t_ru, row_bytes)
+        # Strictly cheaper only: on a tie the simpler (earlier) order stays.
+        if res.costs[name] < res.costs[res.chosen]:
+            res.order, res.chosen = order, name
+    return res
+
+
+def reorganize(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarray,
+               num_parts: int, num_chunks: int, **kwargs) -> np.ndarray:
+    r"""Greedy two-phase batch order that lowers the transfer cost (HongTu Alg. 4).
+
+    Args:
+        indptr: int64 in-edge CSC offsets of the renumbered graph.
+        indices: sources of the in-edges.
+        chunk_ptr: int64 ``(m*n + 1,)`` chunk boundaries.
+        num_parts: ``m``.
+        num_chunks: ``n`` chunks per part.
+        **kwargs: ``neighbours`` (precomputed :func:`~hongtu.dedup.neighbour_sets`),
+            ``row_bytes``, ``t_hd``, ``t_dd``, ``t_ru`` (see :func:`cost`),
+            ``phase1``, ``phase2`` (default ``True``).
+
+    Returns:
+        int64 ``(n, m)`` order for :func:`~hongtu.dedup.plan_transfers`; the
+        identity order unless a greedy order has a strictly lower cost.
+
+    Example::
+
+        >>> order = reorganize(g.indptr, g.indices, p.chunk_ptr, 4, 8)
+        >>> plan = plan_transfers(g.indptr, g.indices, p.chunk_ptr, 4, 8, order=order)
+    """
+    return reorganize_report(indptr, indices, chunk_ptr, num_parts, num_chunks, **kwargs).order

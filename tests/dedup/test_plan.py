@@ -1,0 +1,323 @@
+"""Transfer planner: neighbour sets, volumes against Python sets, and a replay of every plan."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hongtu.dedup import (
+    TransferPlan,
+    _kernels,
+    check_order,
+    identity_order,
+    neighbour_sets,
+    plan_transfers,
+    transition_sets,
+    union_sets,
+)
+from hongtu.errors import UserError
+from hongtu.graph import Graph
+from hongtu.partition import chunk_partition
+from tests.cases import CASES
+
+# (m, n): one chunk, one part, several parts.
+SHAPES = [(1, 1), (1, 3), (2, 1), (2, 3), (3, 2), (4, 3)]
+FLAGS = [(r, p) for r in (True, False) for p in (True, False)]
+
+
+# ------------------------------------------------------------------ oracles
+def renumbered(graph: Graph, m: int, n: int, seed: int = 0):
+    """``(graph, chunk_ptr)`` after an injected balanced random part assignment."""
+    rng = np.random.default_rng(seed)
+    assignment = rng.permutation(np.arange(graph.num_nodes) % m)
+    p = chunk_partition(graph, assignment, n, num_parts=m)
+    return p.apply(graph), p.chunk_ptr
+
+
+def py_neighbours(indptr, indices, chunk_ptr) -> list[list[int]]:
+    return [sorted(set(indices[indptr[a]:indptr[b]].tolist()))
+            for a, b in zip(chunk_ptr[:-1], chunk_ptr[1:])]
+
+
+def brute_force_volumes(indptr, indices, chunk_ptr, order) -> dict[str, int]:
+    """``v_ori``, ``v_p2p``, ``v_ru`` counted with Python sets."""
+    nb = [set(s) for s in py_neighbours(indptr, indices, chunk_ptr)]
+    v_ori = sum(len(nb[c]) for c in np.asarray(order).ravel())
+    trans = [set().union(*(nb[c] for c in row)) for row in np.asarray(order)]
+    v_p2p = sum(len(t) for t in trans)
+    v_ru = sum(len(t - (trans[k - 1] if k else set())) for k, t in enumerate(trans))
+    return {"v_ori": v_ori, "v_p2p": v_p2p, "v_ru": v_ru}
+
+
+def resident_sets(nb, order, part_ptr, devices, p2p) -> list[list[tuple[list[int], set]]]:
+    """Per device, per step: (chunks computed, rows kept in own slots)."""
+    m = order.shape[1]
+    owner = np.searchsorted(part_ptr, np.arange(part_ptr[-1]), side="right") - 1
+    trans = [set().union(*(nb[c] for c in row)) for row in order]
+    out = []
+    for d in range(devices):
+        if devices == 1 and (p2p or m == 1):
+            steps = [(list(row), trans[k]) for k, row in enumerate(order)]
+        elif devices == 1:
+            steps = [([c], set(nb[c])) for c in order.ravel()]
+        elif p2p:
+            steps = [([order[k, d]], {u for u in trans[k] if owner[u] == d})
+                     for k in range(order.shape[0])]
+        else:
+            steps = [([order[k, d]], set(nb[order[k, d]])) for k in range(order.shape[0])]
+        out.append(steps)
+    return out
+
+
+def expected_traffic(nb, order, part_ptr, devices, reuse, p2p) -> tuple[int, int]:
+    """``(h2d_rows, d2d_rows)`` by Python sets."""
+    h2d = 0
+    for steps in resident_sets(nb, order, part_ptr, devices, p2p):
+        prev: set = set()
+        for _, res in steps:
+            h2d += len(res - prev) if reuse else len(res)
+            prev = res
+    d2d = 0
+    if devices > 1 and p2p:
+        for d in range(devices):
+            lo, hi = part_ptr[d], part_ptr[d + 1]
+            d2d += sum(sum(1 for u in nb[c] if not lo <= u < hi) for c in order[:, d])
+    return h2d, d2d
+
+
+def replay(plan: TransferPlan, nb, seed: int = 0) -> None:
+    """Walk a plan step by step on all devices at once, asserting the protocol.
+
+    Buffers are dicts slot -> id; gradients are exact integers so the flushed
+    host gradient must equal the sum of every chunk's contributions.
+    """
+    rng = random.Random(seed)
+    plans = plan.plans
+    steps = {p.num_steps for p in plans}
+    assert len(steps) == 1 or plan.devices == 1
+    expected = resident_sets(nb, plan.order, plan.part_ptr, plan.devices, plan.p2p)
+    own = [dict() for _ in plans]
+    grad = [dict() for _ in plans]
+    host_grad: dict[int, int] = {}
+    want_grad: dict[int, int] = {}
+    processed = []
+    for s in range(plans[0].num_steps):
+        recv = [dict() for _ in plans]
+        recv_grad = [dict() for _ in plans]
+        for p in plans:
+            ids, slots = p.step("load_ids", s).tolist(), p.step("load_slots", s).tolist()
+            assert ids == sorted(ids) and slots == sorted(slots)
+            for u, sl in zip(ids, slots):
+                assert 0 <= sl < p.num_slots and sl not in own[p.device]
+                assert u not in own[p.device].values()
+                own[p.device][sl] = u
+                grad[p.device][sl] = 0
+            assert set(own[p.device].values()) == expected[p.device][s][1]
+            assert len(own[p.device]) <= p.num_slots
+        # Exchange: d's run for e must equal e's run from d.
+        for p in plans:
+            sent, to = p.step("send_slots", s), p.step("send_to", s)
+            sent_ids = p.step("send_ids", s)
+            for e in range(plan.devices):
+                mine = sent[to == e].tolist()
+                assert len(mine) == p.send_counts[s, e]
+                assert [own[p.device][sl] for sl in mine] == sent_ids[to == e].tolist()
+                q = plans[e]
+                frm = q.step("recv_from", s)
+                their = q.step("recv_slots", s)[frm == p.device].tolist()
+                assert q.step("recv_ids", s)[frm == p.device].tolist() == sent_ids[to == e].tolist()
+                assert len(their) == q.recv_counts[s, p.device] == len(mine)
+                for sl_src, sl_dst in zip(mine, their):
+                    assert q.num_slots <= sl_dst < q.buffer_rows and sl_dst not in recv[e]
+                    recv[e][sl_dst] = own[p.device][sl_src]
+        # Compute: every neighbour row at the slot the plan names.
+        for p in plans:
+            d = p.device
+            for q in range(p.step_ptr[s], p.step_ptr[s + 1]):
+                c, slots = p.chunk(q)
+                processed.append(c)
+                assert len(slots) == len(nb[c])
+                for u, sl in zip(nb[c], slots.tolist()):
+                    area, garea = (own[d], grad[d]) if sl < p.num_slots else (recv[d], recv_grad[d])
+                    assert area.get(sl) == u, f"chunk {c} reads {u} at slot {sl}: not there"
+                    g = rng.randint(1, 99)
+                    garea[sl] = garea.get(sl, 0) + g
+                    want_grad[u] = want_grad.get(u, 0) + g
+        # Backward: received gradients go back to the owners' slots.
+        for p in plans:
+            sent, to = p.step("send_slots", s), p.step("send_to", s)
+            for e in range(plan.devices):
+                q = plans[e]
+                their = q.step("recv_slots", s)[q.step("recv_from", s) == p.device]
+                for sl_src, sl_dst in zip(sent[to == e].tolist(), their.tolist()):
+                    grad[p.device][sl_src] += recv_grad[e].get(sl_dst, 0)
+        for p in plans:
+            ids, slots = p.step("flush_ids", s).tolist(), p.step("flush_slots", s).tolist()
+            assert ids == sorted(ids)
+            for u, sl in zip(ids, slots):
+                assert own[p.device].pop(sl) == u
+                host_grad[u] = host_grad.get(u, 0) + grad[p.device].pop(sl)
+            if s + 1 < p.num_steps and plan.reuse:
+                nxt = expected[p.device][s + 1][1]
+                assert set(own[p.device].values()) == expected[p.device][s][1] & nxt
+    assert all(not o for o in own), "rows left resident after the last step"
+    assert sorted(processed) == list(range(plan.num_parts * plan.num_chunks))
+    assert host_grad == want_grad
+
+
+def random_order(m, n, seed):
+    rng = np.random.default_rng(seed)
+    order = identity_order(m, n)
+    for i in range(m):
+        order[:, i] = rng.permutation(order[:, i])
+    return order[rng.permutation(n)]
+
+
+# ------------------------------------------------------------------ tests
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("m,n", SHAPES)
+def test_neighbour_sets_match_unique(case, m, n):
+    g, chunk_ptr = renumbered(CASES[case](), m, n)
+    ptr, ids = neighbour_sets(g.indptr, g.indices, chunk_ptr)
+    assert ptr.shape == (m * n + 1,) and ids.dtype == g.indices.dtype
+    for c, want in enumerate(py_neighbours(g.indptr, g.indices, chunk_ptr)):
+        assert ids[ptr[c]:ptr[c + 1]].tolist() == want
+
+
+def test_unions_sort_and_scan_paths():
+    # Sparse wide sets take the sort path, dense narrow ones the flag scan.
+    rng = np.random.default_rng(3)
+    vals = np.concatenate([rng.integers(0, 10**6, 50), rng.integers(5, 40, 500)]).astype(np.int64)
+    gptr = np.array([0, 1, 2, 4])
+    starts, stops = np.array([0, 50, 0, 50]), np.array([50, 550, 50, 550])
+    ptr, ids = union_sets(vals, gptr, starts, stops, 10**6)
+    want = [np.unique(vals[:50]), np.unique(vals[50:]), np.unique(vals)]
+    for g in range(3):
+        assert np.array_equal(ids[ptr[g]:ptr[g + 1]], want[g])
+    sorted_vals = np.concatenate([np.unique(v) for v in (vals[:50], vals[50:])])
+    cut = np.unique(vals[:50]).size
+    ptr2, ids2 = union_sets(sorted_vals, np.array([0, 2]), np.array([0, cut]),
+                            np.array([cut, sorted_vals.size]), 10**6, presorted=True)
+    assert np.array_equal(ids2, np.unique(vals)) and ptr2.tolist() == [0, ids2.size]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("m,n", SHAPES)
+def test_volumes_match_brute_force(case, m, n):
+    g, chunk_ptr = renumbered(CASES[case](), m, n)
+    for order in (None, random_order(m, n, 1)):
+        plan = plan_transfers(g.indptr, g.indices, chunk_ptr, m, n, order=order)
+        want = brute_force_volumes(g.indptr, g.indices, chunk_ptr, check_order(order, m, n))
+        assert {k: getattr(plan, k) for k in want} == want
+        assert plan.v_ru <= plan.v_p2p <= plan.v_ori
+        if m == 1:
+            assert plan.v_ori == plan.v_p2p
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("m,n", SHAPES)
+@pytest.mark.parametrize("reuse,p2p", FLAGS)
+def test_plan_replays(case, m, n, reuse, p2p):
+    g, chunk_ptr = renumbered(CASES[case](), m, n, seed=len(case))
+    nb = py_neighbours(g.indptr, g.indices, chunk_ptr)
+    for devices in sorted({1, m}):
+        for k, order in enumerate((None, random_order(m, n, 7))):
+            plan = plan_transfers(g.indptr, g.indices, chunk_ptr, m, n, order=order,
+                                  reuse=reuse, p2p=p2p, devices=devices, row_bytes=512)
+            replay(plan, nb, seed=k)
+            h2d, d2d = expected_traffic(nb, plan.order, plan.part_ptr, devices, reuse, p2p)
+            assert (plan.h2d_rows, plan.d2d_rows) == (h2d, d2d)
+            assert plan.d2h_rows == plan.h2d_rows
+            assert plan.h2d_bytes == 512 * h2d
+            if devices == 1 and not p2p and not reuse:
+                assert plan.h2d_rows == plan.v_ori
+            if p2p and not reuse:
+                assert plan.h2d_rows == plan.v_p2p
+            if p2p and reuse:
+                assert plan.h2d_rows == plan.v_ru
+
+
+def test_in_place_slots_are_kept_and_compact():
+    g, chunk_ptr = renumbered(CASES["halo_heavy"](), 2, 4)
+    plan = plan_transfers(g.indptr, g.indices, chunk_ptr, 2, 4, devices=2)
+    t_ptr, _ = transition_sets(*neighbour_sets(g.indptr, g.indices, chunk_ptr), plan.order,
+                               g.num_nodes)
+    for p in plan.plans:
+        sizes = np.diff(p.step_ptr)
+        assert np.all(sizes == 1)
+        # Resident area is exactly as large as the largest resident set.
+        live, peak = 0, 0
+        for s in range(p.num_steps):
+            live += p.load_ptr[s + 1] - p.load_ptr[s]
+            peak = max(peak, live)
+            live -= p.flush_ptr[s + 1] - p.flush_ptr[s]
+        assert peak == p.num_slots
+        assert p.num_slots <= np.diff(t_ptr).max()
+        assert p.num_recv_slots == max(p.recv_counts.sum(axis=1))
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+def test_parallel_kernels_agree_with_serial(monkeypatch, devices):
+    # Unit-test inputs are below the serial cut-off; force the prange variants.
+    g, chunk_ptr = renumbered(CASES["halo_heavy"](), 3, 2)
+    order = random_order(3, 2, 5)
+    serial = plan_transfers(g.indptr, g.indices, chunk_ptr, 3, 2, order=order, devices=devices)
+    monkeypatch.setattr(_kernels, "SERIAL_BELOW", 0)
+    par = plan_transfers(g.indptr, g.indices, chunk_ptr, 3, 2, order=order, devices=devices)
+    a, b = serial.to_npz_dict(), par.to_npz_dict()
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    replay(par, py_neighbours(g.indptr, g.indices, chunk_ptr))
+
+
+def test_npz_round_trip(tmp_path):
+    g, chunk_ptr = renumbered(CASES["skewed"](), 3, 2)
+    plan = plan_transfers(g.indptr, g.indices, chunk_ptr, 3, 2, devices=3, row_bytes=256)
+    np.savez(tmp_path / "plan.npz", **plan.to_npz_dict())
+    with np.load(tmp_path / "plan.npz") as data:
+        back = TransferPlan.from_npz_dict(data)
+    assert back.volumes() == plan.volumes() and back.row_bytes == 256
+    assert (back.reuse, back.p2p, back.devices) == (plan.reuse, plan.p2p, plan.devices)
+    for a, b in zip(plan.plans, back.plans):
+        for name, value in vars(a).items():
+            assert np.array_equal(value, getattr(b, name)), name
+    replay(back, py_neighbours(g.indptr, g.indices, chunk_ptr))
+
+
+def test_bad_arguments():
+    g, chunk_ptr = renumbered(CASES["isolated"](), 4, 2)
+    with pytest.raises(UserError, match="devices must be 1 or"):
+        plan_transfers(g.indptr, g.indices, chunk_ptr, 4, 2, devices=2)
+    bad = identity_order(4, 2)
+    bad[0, 1], bad[0, 2] = bad[0, 2], bad[0, 1]
+    with pytest.raises(UserError, match="another part"):
+        plan_transfers(g.indptr, g.indices, chunk_ptr, 4, 2, order=bad)
+    with pytest.raises(UserError, match="shape"):
+        plan_transfers(g.indptr, g.indices, chunk_ptr, 4, 2, order=bad.T)
+    dup = identity_order(4, 2)
+    dup[1] = dup[0]
+    with pytest.raises(UserError, match="exactly once"):
+        plan_transfers(g.indptr, g.indices, chunk_ptr, 4, 2, order=dup)
+
+
+@settings(max_examples=25, deadline=None)
+@given(num_nodes=st.integers(8, 40), density=st.floats(0.0, 4.0), m=st.integers(1, 4),
+       n=st.integers(1, 2), seed=st.integers(0, 2**16), reuse=st.booleans(),
+       p2p=st.booleans(), multi=st.booleans())
+def test_random_graphs_replay(num_nodes, density, m, n, seed, reuse, p2p, multi):
+    rng = np.random.default_rng(seed)
+    e = int(density * num_nodes)
+    g = Graph.from_edge_index(rng.integers(0, num_nodes, (2, e)), num_nodes)
+    g, chunk_ptr = renumbered(g, m, n, seed)
+    nb = py_neighbours(g.indptr, g.indices, chunk_ptr)
+    devices = m if multi else 1
+    plan = plan_transfers(g.indptr, g.indices, chunk_ptr, m, n, order=random_order(m, n, seed),
+                          reuse=reuse, p2p=p2p, devices=devices)
+    replay(plan, nb, seed)
+    want = brute_force_volumes(g.indptr, g.indices, chunk_ptr, plan.order)
+    assert (plan.v_ori, plan.v_p2p, plan.v_ru) == (want["v_ori"], want["v_p2p"], want["v_ru"])
+    assert (plan.h2d_rows, plan.d2d_rows) == expected_traffic(nb, plan.order, plan.part_ptr,
+                                                              devices, reuse, p2p)
