@@ -63,7 +63,8 @@ def chunk_sizes(graph: Graph, perm: np.ndarray, chunk_ptr: np.ndarray) -> ChunkS
 
 
 def estimate_device_bytes(model: GNN, sizes: ChunkSizes, itemsize: int = 4,
-                          training: bool = True, num_nodes: int = 0) -> int:
+                          training: bool = True, num_nodes: int = 0,
+                          buffer_rows: int | None = None) -> int:
     """Estimated peak device bytes of training ``model`` chunk by chunk.
 
     Args:
@@ -72,11 +73,15 @@ def estimate_device_bytes(model: GNN, sizes: ChunkSizes, itemsize: int = 4,
         itemsize: bytes per element (4 for float32).
         training: include dropout masks and gradients.
         num_nodes: vertex count (labels and masks live on the device).
+        buffer_rows: rows of the transition buffer (the plan's
+            ``buffer_rows``); default the largest chunk's neighbour count.
     """
     widths = model.widths()
     wmax = max(widths)
     max_src, max_dst = int(sizes.num_src.max()), int(sizes.num_dst.max())
-    fixed = (max_src + 3 * max_dst) * wmax * itemsize
+    rows = max_src if buffer_rows is None else int(buffer_rows)
+    # transition buffer and its gradient twin, and three destination slots
+    fixed = (2 * rows + 3 * max_dst) * wmax * itemsize
     fixed += sum(p.numel() for p in model.parameters()) * itemsize * 4
     fixed += num_nodes * 11  # labels (int64) and three masks (bool)
     fixed += _FIXED_EXTRA

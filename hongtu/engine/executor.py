@@ -1,16 +1,21 @@
 r"""The batch executor: one training step of full-graph GNN training, chunk by chunk.
 
-Follows HongTu Algorithm 1 (DESIGN.md §1) on one device:
+Follows HongTu Algorithm 1 (DESIGN.md §1) on one device, executing a
+deduplicated transfer plan (:class:`hongtu.dedup.DevicePlan`):
 
-* forward, layer by layer and batch by batch: load ``h^l[N_c]`` (and
-  ``h^l[V_c]`` when the layer reads its own rows), compute layer ``l`` on
-  chunk ``c``, write ``h^{l+1}[V_c]`` — and, for cacheable layers, the
-  aggregate ``a^l[V_c]`` — back to host;
+* forward, layer by layer and step by step: bring the step's new neighbour
+  rows ``𝕅^cpu`` from host into their slots of the device transition buffer
+  (rows shared with the previous step stay in place), gather each chunk's
+  ``h^l[N_c]`` from the buffer, compute layer ``l``, write ``h^{l+1}[V_c]`` —
+  and, for cacheable layers, the aggregate ``a^l[V_c]`` — back to host;
 * at the last layer, the loss of the chunk's train vertices (cross-entropy,
   normalised by the total train count) and its gradient ``∇h^L[V_c]``;
-* backward, layer by layer: load the checkpoint (``a^l[V_c]`` for cacheable
-  layers, ``h^l[N_c]`` otherwise) and ``∇h^{l+1}[V_c]``, recompute the layer
-  under autograd, backward, and add ``∇h^l`` into the host buffer.
+* backward, layer by layer and in the same step order: load the checkpoint
+  (``a^l[V_c]`` for cacheable layers; the neighbour rows, with the same
+  reuse, otherwise) and ``∇h^{l+1}[V_c]``, recompute the layer under
+  autograd, backward, accumulate the neighbours' gradients at their slots on
+  the device while the rows stay resident, and flush rows that leave into the
+  host ``∇h^l``.
 
 Parameter gradients accumulate over chunks, so after :meth:`Executor.step`
 they are exactly the full-graph gradients; the caller takes the optimizer step.
@@ -20,10 +25,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hongtu.dedup import DevicePlan
 from hongtu.engine.buffers import HostBuffers
 from hongtu.engine.chunks import ChunkSet
 from hongtu.engine.transfer import Mover
@@ -46,8 +53,40 @@ class StepResult:
         return self.correct[split] / t if t else float("nan")
 
 
+class _PlanOnDevice:
+    """A :class:`DevicePlan`'s index arrays on the compute device, sliced per step."""
+
+    def __init__(self, plan: DevicePlan, device: torch.device) -> None:
+        def dev(a: np.ndarray) -> Tensor:
+            return torch.from_numpy(np.asarray(a, dtype=np.int64)).to(device)
+
+        self.plan = plan
+        self.load_ids, self.load_slots = dev(plan.load_ids), dev(plan.load_slots)
+        self.flush_slots = dev(plan.flush_slots)
+        self.flush_ids = np.asarray(plan.flush_ids, dtype=np.int64)  # host adds use them
+        self.chunk_slots = dev(plan.chunk_slots)
+
+    def steps(self):
+        """``(s, [(q, chunk id), ...])`` in processing order."""
+        p = self.plan
+        for s in range(p.num_steps):
+            yield s, [(q, int(p.chunk_ids[q])) for q in range(p.step_ptr[s], p.step_ptr[s + 1])]
+
+    def load(self, s: int) -> tuple[Tensor, Tensor]:
+        a, b = int(self.plan.load_ptr[s]), int(self.plan.load_ptr[s + 1])
+        return self.load_ids[a:b], self.load_slots[a:b]
+
+    def flush(self, s: int) -> tuple[np.ndarray, Tensor]:
+        a, b = int(self.plan.flush_ptr[s]), int(self.plan.flush_ptr[s + 1])
+        return self.flush_ids[a:b], self.flush_slots[a:b]
+
+    def slots(self, q: int) -> Tensor:
+        p = self.plan.chunk_slot_ptr
+        return self.chunk_slots[int(p[q]):int(p[q + 1])]
+
+
 class Executor:
-    """Runs forward, loss and backward over a :class:`ChunkSet`.
+    """Runs forward, loss and backward over a :class:`ChunkSet` following a plan.
 
     Args:
         model: the GNN (parameters on ``device``).
@@ -56,6 +95,7 @@ class Executor:
         labels: ``(N,)`` int64 labels.
         masks: ``{"train": ..., "val": ..., "test": ...}`` boolean ``(N,)`` masks.
         device: the compute device.
+        plan: the device's transfer plan (:func:`hongtu.dedup.plan_transfers`).
         checkpoint: ``auto`` caches aggregates of cacheable layers; ``recompute``
             recomputes every layer in full in backward.
         seed: the run seed (dropout streams derive from it).
@@ -65,8 +105,8 @@ class Executor:
     """
 
     def __init__(self, model: GNN, chunks: ChunkSet, buffers: HostBuffers, labels: Tensor,
-                 masks: dict[str, Tensor], device: torch.device, checkpoint: str = "auto",
-                 seed: int = 0, resident_blocks: bool = True) -> None:
+                 masks: dict[str, Tensor], device: torch.device, plan: DevicePlan,
+                 checkpoint: str = "auto", seed: int = 0, resident_blocks: bool = True) -> None:
         self.model = model
         self.chunks = chunks
         self.buf = buffers
@@ -75,13 +115,17 @@ class Executor:
         self.cached = [bool(layer.cacheable and checkpoint == "auto") for layer in model.layers]
         self.dtype = buffers.h[1].dtype
         widths = model.widths()
-        max_src, max_dst = chunks.max_rows()
-        self.mover = Mover(device, {"src": max_src, "dst": max_dst, "aux": max_dst,
-                                    "grad": max_dst}, max(widths), self.dtype)
+        max_dst = max(b.num_dst for b in chunks.blocks)
+        self.mover = Mover(device, {"dst": max_dst, "aux": max_dst, "grad": max_dst},
+                           max(widths), self.dtype, stage_rows=plan.buffer_rows)
+        self.plan = _PlanOnDevice(plan, device)
+        # The transition buffer (rows of h^l) and its gradient twin, allocated once.
+        rows = max(plan.buffer_rows, 1)
+        self._tbuf = torch.empty(rows * max(widths), dtype=self.dtype, device=device)
+        self._gbuf = torch.empty(rows * max(widths), dtype=self.dtype, device=device)
         self.labels = labels.to(device)
         self.masks = {k: m.to(device) for k, m in masks.items()}
         self.num_train = max(int(masks["train"].sum()), 1)
-        self._src_np = [b.src_ids.numpy() for b in chunks.blocks]
         if device.type == "cpu":
             self._blocks = chunks.blocks
         elif resident_blocks:
@@ -91,45 +135,48 @@ class Executor:
         self._copy_blocks = device.type != "cpu" and not resident_blocks
 
     # ------------------------------------------------------------- helpers
-    def _device_block(self, c: int) -> Block:
+    def _block(self, c: int) -> Block:
         block = self._blocks[c]
         return block.to(self.device, non_blocking=True) if self._copy_blocks else block
 
     def _seed(self, epoch: int, l: int) -> int:
         return layer_seed(self.seed, epoch, l)
 
-    def _chunk_order(self):
-        for batch in self.chunks.batches():
-            yield from batch
+    def _buffer(self, which: Tensor, width: int) -> Tensor:
+        rows = self.plan.plan.buffer_rows
+        return which[: rows * width].view(rows, width)
 
     # ------------------------------------------------------------- forward
     @torch.no_grad()
     def forward(self, epoch: int, train: bool, progress=None) -> StepResult:
         """Forward over all layers; in training mode also the loss and ``∇h^L``."""
-        model, buf, mv = self.model, self.buf, self.mover
+        model, buf, mv, plan = self.model, self.buf, self.mover, self.plan
         model.train(train)
         L = model.num_layers
         res = StepResult(0.0, {"train": 0, "val": 0, "test": 0}, {"train": 0, "val": 0, "test": 0})
         for l in range(L):
             layer = model.layers[l]
             seed = self._seed(epoch, l)
-            for c in self._chunk_order():
-                block = self._device_block(c)
-                v0, v1 = self.chunks.range(c)
-                x_src = mv.load_rows(buf.h[l], block.src_ids, "src")
-                x_dst = mv.load_range(buf.h[l], v0, v1, "dst") if layer.needs_dst else None
-                if self.cached[l] and train:
-                    a = model.step_aggregate(l, block, x_src, seed)
-                    mv.store_range(buf.agg[l], v0, a)
-                    out = model.step_update(l, block, a, x_dst, seed)
-                else:
-                    out = model.step_forward(l, block, x_src, x_dst, seed)
-                if l == L - 1:
-                    self._output(out, v0, v1, train, res)
-                else:
-                    mv.store_range(buf.h[l + 1], v0, out)
-                if progress is not None:
-                    progress(1)
+            tbuf = self._buffer(self._tbuf, buf.h[l].shape[1])
+            for s, chunks in plan.steps():
+                mv.load_rows_into(buf.h[l], *plan.load(s), tbuf)
+                for q, c in chunks:
+                    block = self._block(c)
+                    v0, v1 = self.chunks.range(c)
+                    x_src = tbuf.index_select(0, plan.slots(q))
+                    x_dst = mv.load_range(buf.h[l], v0, v1, "dst") if layer.needs_dst else None
+                    if self.cached[l] and train:
+                        a = model.step_aggregate(l, block, x_src, seed)
+                        mv.store_range(buf.agg[l], v0, a)
+                        out = model.step_update(l, block, a, x_dst, seed)
+                    else:
+                        out = model.step_forward(l, block, x_src, x_dst, seed)
+                    if l == L - 1:
+                        self._output(out, v0, v1, train, res)
+                    else:
+                        mv.store_range(buf.h[l + 1], v0, out)
+                    if progress is not None:
+                        progress(1)
         return res
 
     def _output(self, logits: Tensor, v0: int, v1: int, train: bool, res: StepResult) -> None:
@@ -157,41 +204,55 @@ class Executor:
     # ------------------------------------------------------------ backward
     def backward(self, epoch: int, progress=None) -> None:
         """Backward over all layers; parameter gradients accumulate in ``.grad``."""
-        model, buf, mv = self.model, self.buf, self.mover
+        model, buf, mv, plan = self.model, self.buf, self.mover, self.plan
         model.train(True)
         for l in reversed(range(model.num_layers)):
             layer = model.layers[l]
             seed = self._seed(epoch, l)
             need_in = l > 0  # ∇h^0 is never needed: inputs carry no gradient
+            width = buf.h[l].shape[1]
+            tbuf = self._buffer(self._tbuf, width)
+            gbuf = self._buffer(self._gbuf, width)
             if need_in:
                 buf.grad[l].zero_()
-            for c in self._chunk_order():
-                block = self._device_block(c)
-                v0, v1 = self.chunks.range(c)
-                g_out = mv.load_range(buf.grad[l + 1], v0, v1, "grad")
-                x_dst = None
-                if layer.needs_dst:
-                    x_dst = mv.load_range(buf.h[l], v0, v1, "dst").detach().requires_grad_(need_in)
-                with torch.enable_grad():
-                    if self.cached[l]:
-                        a = mv.load_range(buf.agg[l], v0, v1, "aux")
-                        a = a.detach().requires_grad_(need_in)
-                        out = model.step_update(l, block, a, x_dst, seed)
-                        _backward(out, g_out)
-                        g_src = (model.step_aggregate_transpose(l, block, a.grad, seed)
-                                 if need_in and a.grad is not None else None)
-                    else:
-                        x_src = mv.load_rows(buf.h[l], block.src_ids, "src")
-                        x_src = x_src.detach().requires_grad_(need_in)
-                        out = model.step_forward(l, block, x_src, x_dst, seed)
-                        _backward(out, g_out)
-                        g_src = x_src.grad if need_in else None
-                if g_src is not None:
-                    mv.add_rows(buf.grad[l], self._src_np[c], g_src)
-                if need_in and x_dst is not None and x_dst.grad is not None:
-                    mv.add_range(buf.grad[l], v0, x_dst.grad)
-                if progress is not None:
-                    progress(1)
+            for s, chunks in plan.steps():
+                ids, slots = plan.load(s)
+                if not self.cached[l]:
+                    mv.load_rows_into(buf.h[l], ids, slots, tbuf)
+                if need_in:
+                    gbuf.index_fill_(0, slots, 0)  # rows entering start with no gradient
+                for q, c in chunks:
+                    self._backward_chunk(l, layer, q, c, tbuf, gbuf, need_in, seed)
+                    if progress is not None:
+                        progress(1)
+                if need_in:
+                    mv.flush_rows(buf.grad[l], *plan.flush(s), gbuf)
+
+    def _backward_chunk(self, l: int, layer, q: int, c: int, tbuf: Tensor, gbuf: Tensor,
+                        need_in: bool, seed: int) -> None:
+        model, buf, mv = self.model, self.buf, self.mover
+        block = self._block(c)
+        v0, v1 = self.chunks.range(c)
+        g_out = mv.load_range(buf.grad[l + 1], v0, v1, "grad")
+        x_dst = None
+        if layer.needs_dst:
+            x_dst = mv.load_range(buf.h[l], v0, v1, "dst").detach().requires_grad_(need_in)
+        with torch.enable_grad():
+            if self.cached[l]:
+                a = mv.load_range(buf.agg[l], v0, v1, "aux").detach().requires_grad_(need_in)
+                out = model.step_update(l, block, a, x_dst, seed)
+                _backward(out, g_out)
+                g_src = (model.step_aggregate_transpose(l, block, a.grad, seed)
+                         if need_in and a.grad is not None else None)
+            else:
+                x_src = tbuf.index_select(0, self.plan.slots(q)).requires_grad_(need_in)
+                out = model.step_forward(l, block, x_src, x_dst, seed)
+                _backward(out, g_out)
+                g_src = x_src.grad if need_in else None
+        if g_src is not None:
+            gbuf.index_add_(0, self.plan.slots(q), g_src)
+        if need_in and x_dst is not None and x_dst.grad is not None:
+            mv.add_range(buf.grad[l], v0, x_dst.grad)
 
     def step(self, epoch: int, progress=None) -> StepResult:
         """Forward + loss + backward: leaves the full-graph gradients in the parameters."""

@@ -34,6 +34,7 @@ from hongtu.errors import UserError
 from hongtu.graph import Graph
 from hongtu.nn.model import GNN, build_model
 from hongtu.partition import assign_parts, chunk_partition
+from hongtu.reorg import plan_batches
 
 __all__ = ["Trainer", "resolve_device", "load_data"]
 
@@ -125,6 +126,20 @@ class Trainer:
                             f"{format_size(self.budget)}; use engine.chunks=auto or more chunks")
         g = self.partition.apply(graph)
         self.graph = g
+        t_plan = time.perf_counter()
+        self.order, self.transfer_plan = plan_batches(
+            g.indptr, g.indices, self.partition.chunk_ptr, parts, chunks,
+            reuse=e.dedup.reuse, p2p=e.dedup.p2p, reorg=e.reorg, devices=1,
+            row_bytes=itemsize * max(self.model.widths()))
+        self.plan_s = time.perf_counter() - t_plan
+        self.estimate = estimate_device_bytes(
+            self.model, sizes, itemsize, num_nodes=graph.num_nodes,
+            buffer_rows=self.transfer_plan.plans[0].buffer_rows)
+        if self.budget is not None and self.estimate > self.budget:
+            raise UserError(f"the transfer plan's buffers need about "
+                            f"{format_size(self.estimate)} on the device but "
+                            f"engine.device_memory is {format_size(self.budget)}; use more "
+                            "engine.chunks or raise engine.device_memory")
         self.chunks = ChunkSet.build(g, self.partition.chunk_ptr, parts, chunks, dtype)
         cached = [bool(layer.cacheable and e.checkpoint == "auto") for layer in self.model.layers]
         plan = BufferPlan(g.num_nodes, self.model.widths(), cached, itemsize)
@@ -138,8 +153,8 @@ class Trainer:
         resident = self.budget is None or (
             self.estimate + resident_block_bytes(sizes, itemsize) <= self.budget)
         self.executor = Executor(self.model, self.chunks, buffers, torch.from_numpy(
-            np.asarray(g.y, dtype=np.int64)), masks, self.device, e.checkpoint, cfg.train.seed,
-            resident_blocks=resident)
+            np.asarray(g.y, dtype=np.int64)), masks, self.device, self.transfer_plan.plans[0],
+            e.checkpoint, cfg.train.seed, resident_blocks=resident)
         self.optimizer = self._optimizer()
         self.preprocess_s = time.perf_counter() - t0
 
@@ -167,12 +182,19 @@ class Trainer:
         budget = "none" if self.budget is None else format_size(self.budget)
         layers = ", ".join(repr(layer) + (" [cached]" if c else "")
                            for layer, c in zip(self.model.layers, plan.cached))
+        tp = self.transfer_plan
+        n = max(tp.num_nodes, 1)
+        transfers = (f"transfers per layer pass (rows / |V|): V_ori {tp.v_ori / n:.3f}, "
+                     f"V_+p2p {tp.v_p2p / n:.3f}, V_+ru {tp.v_ru / n:.3f}; this plan loads "
+                     f"{tp.h2d_rows / n:.3f} (reuse={tp.reuse}, p2p={tp.p2p}, "
+                     f"reorg={self.cfg.engine.reorg}; planned in {self.plan_s:.2f} s)")
         return (f"graph {self.graph.name}: {self.graph.num_nodes} vertices, "
                 f"{self.graph.num_edges} edges, {self.graph.num_features} features, "
                 f"{self.num_classes} classes\n"
                 f"model: {layers}\n"
                 f"device {self.device}: {parts} part(s) x {chunks} chunk(s); "
                 f"estimated peak {format_size(self.estimate)} per batch (budget {budget})\n"
+                f"{transfers}\n"
                 f"host buffers:\n{plan.format()}")
 
     # ---------------------------------------------------------------- training

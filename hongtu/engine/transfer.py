@@ -74,13 +74,15 @@ class Mover:
             input that is live at the same time as the others).
         max_width: the widest row (elements).
         dtype: element type of the buffers.
+        stage_rows: rows of the pinned host staging area (the most rows one
+            load or flush moves); default the largest slot.
         timed: synchronise around transfers to attribute time to them (the
             executor does not overlap transfers with compute yet, so this
             costs nothing it would otherwise gain).
     """
 
     def __init__(self, device: torch.device, slots: dict[str, int], max_width: int,
-                 dtype: torch.dtype, timed: bool = True) -> None:
+                 dtype: torch.dtype, timed: bool = True, stage_rows: int = 0) -> None:
         self.device = device
         self.dtype = dtype
         self.traffic = Traffic()
@@ -89,8 +91,8 @@ class Mover:
         sizes = {s: max(int(rows) * int(max_width), 1) for s, rows in slots.items()}
         self._dev = {s: torch.empty(n, dtype=dtype, device=device) for s, n in sizes.items()}
         # Pinned staging for gradient flushes: DMA to it, then add on the CPU.
-        self._stage = (torch.empty(max(sizes.values()), dtype=dtype, pin_memory=True)
-                       if self.cuda else None)
+        stage = max(max(sizes.values()), int(stage_rows) * int(max_width))
+        self._stage = torch.empty(stage, dtype=dtype, pin_memory=True) if self.cuda else None
         self._views: dict[int, Tensor] = {}
         self.itemsize = torch.empty((), dtype=dtype).element_size()
 
@@ -114,23 +116,26 @@ class Mover:
         return time.perf_counter()
 
     # ----------------------------------------------------------- host -> dev
-    def load_rows(self, host: Tensor, ids: Tensor, slot: str = "src") -> Tensor:
-        """``host[ids]`` on the device; ``ids`` sorted int64 on the device."""
-        t0 = self._clock()
+    def load_rows_into(self, host: Tensor, ids: Tensor, slots: Tensor, buf: Tensor) -> None:
+        """``buf[slots] = host[ids]``: rows from host into their buffer slots.
+
+        ``ids`` (sorted) and ``slots`` are int64 tensors on the device.
+        """
         rows, width = int(ids.shape[0]), int(host.shape[1])
-        out = self._slot(slot, rows, width)
+        if rows == 0:
+            return
+        t0 = self._clock()
         view = self._view(host) if self.cuda else host
         if view is not None:
-            torch.index_select(view, 0, ids, out=out)
+            buf.index_copy_(0, slots, view.index_select(0, ids))
         else:  # unpinned host memory: gather on the CPU, then one copy
             stage = self._stage[: rows * width].view(rows, width)
             torch.index_select(host, 0, ids.cpu(), out=stage)
-            out.copy_(stage, non_blocking=True)
+            buf.index_copy_(0, slots, stage.to(self.device, non_blocking=True))
             torch.cuda.current_stream(self.device).synchronize()
         self.traffic.h2d_rows += rows
         self.traffic.h2d_bytes += rows * width * self.itemsize
         self.traffic.time_h2d_s += self._clock() - t0
-        return out
 
     def load_range(self, host: Tensor, start: int, stop: int, slot: str = "dst") -> Tensor:
         """``host[start:stop]`` on the device (one contiguous copy)."""
@@ -171,9 +176,15 @@ class Mover:
         np.add(rows, vals.reshape(rows.shape), out=rows)
         self._count_flush(value, t0, t1)
 
-    def add_rows(self, host: Tensor, ids: np.ndarray, value: Tensor) -> None:
-        """``host[ids] += value`` (``ids`` unique, a host int64 array)."""
+    def flush_rows(self, host: Tensor, ids: np.ndarray, slots: Tensor, buf: Tensor) -> None:
+        """``host[ids] += buf[slots]``: gradients of rows leaving the device buffer.
+
+        ``ids`` (unique) is a host int64 array, ``slots`` a device tensor.
+        """
+        if ids.shape[0] == 0:
+            return
         t0 = self._clock()
+        value = buf.index_select(0, slots)
         vals = self._to_host(value)
         t1 = time.perf_counter()
         _scatter_add_rows(host.numpy(), ids, vals.reshape(vals.shape[0], -1))

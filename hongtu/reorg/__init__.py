@@ -17,6 +17,7 @@ from hongtu.reorg.reorg import (
     cost,
     group_batches,
     order_batches,
+    plan_batches,
     reorganize,
     reorganize_report,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "cost",
     "group_batches",
     "order_batches",
+    "plan_batches",
     "reorganize",
     "reorganize_report",
 ]

@@ -312,3 +312,29 @@ def reorganize(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarray,
         >>> plan = plan_transfers(g.indptr, g.indices, p.chunk_ptr, 4, 8, order=order)
     """
     return reorganize_report(indptr, indices, chunk_ptr, num_parts, num_chunks, **kwargs).order
+
+
+def plan_batches(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarray,
+                 num_parts: int, num_chunks: int, *, reuse: bool = True, p2p: bool = True,
+                 reorg: bool = True, devices: int = 1, row_bytes: int | None = None):
+    """Batch order (reorganised or identity) and the transfer plan that executes it.
+
+    The one call the engine's setup makes: neighbour sets are computed once
+    and shared by the reorganizer and the planner.
+
+    Returns:
+        ``(order, plan)``: the ``(n, m)`` batch order and its
+        :class:`~hongtu.dedup.TransferPlan`.
+    """
+    from hongtu.dedup import plan_transfers
+
+    nb = neighbour_sets(indptr, indices, chunk_ptr)
+    if reorg:
+        order = reorganize(indptr, indices, chunk_ptr, num_parts, num_chunks, neighbours=nb,
+                           row_bytes=row_bytes)
+    else:
+        order = identity_order(num_parts, num_chunks)
+    plan = plan_transfers(indptr, indices, chunk_ptr, num_parts, num_chunks, order=order,
+                          reuse=reuse, p2p=p2p, devices=devices, row_bytes=row_bytes,
+                          neighbours=nb)
+    return order, plan
