@@ -61,6 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", metavar="FILE", help="write one JSON line per epoch to FILE")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier run in output.dir")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from output.dir/checkpoint.pt (also to extend a finished "
+                        "run after raising train.epochs)")
 
     p = sub.add_parser("partition", parents=[common],
                        help="partition the graph and print the partition summary",
@@ -121,22 +124,31 @@ def _cmd_partition(args) -> int:
 
 def _cmd_train(args) -> int:
     from hongtu.config import load_config
-    from hongtu.engine.trainer import Trainer
+    from hongtu.engine.trainer import Interrupted, Trainer
 
     cfg = load_config(args.config, args.overrides)
-    if args.metrics and Path(args.metrics).exists() and not args.overwrite:
-        raise UserError(f"metrics file '{args.metrics}' already exists; pass --overwrite to "
-                        "replace it, or choose another file")
-    trainer = Trainer(cfg, overwrite=args.overwrite)
-    if args.metrics:
-        Path(args.metrics).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.metrics).write_text("")
-    print(f"preprocessing {trainer.preprocess_s:.2f} s")
-    records = trainer.fit(args.metrics, progress=None if not args.quiet else False)
+    metrics = Path(args.metrics) if args.metrics else None
+    if metrics and metrics.exists() and not (args.overwrite or args.resume):
+        raise UserError(f"metrics file '{metrics}' already exists; pass --overwrite to "
+                        "replace it, --resume to append to it, or choose another file")
+    out = (lambda s: None) if args.quiet else print
+    # Resuming continues the results already in output.dir: nothing is replaced.
+    trainer = Trainer(cfg, overwrite=args.overwrite or args.resume, out=out)
+    if metrics:
+        metrics.parent.mkdir(parents=True, exist_ok=True)
+        if not args.resume:
+            metrics.write_text("")
+    out(f"preprocessing {trainer.preprocess_s:.2f} s")
+    try:
+        records = trainer.fit(args.metrics, progress=False if args.quiet else None,
+                              resume=args.resume)
+    except Interrupted as e:
+        print(f"hongtu: {e}", file=sys.stderr)
+        return 130
     if records and records[-1]["test_acc"] is not None:
         r = records[-1]
-        print(f"done: {len(records)} epochs, final test accuracy {r['test_acc']:.4f}; "
-              f"model saved to {trainer.outdir / 'model.pt'}")
+        out(f"done: epoch {r['epoch'] + 1}, final test accuracy {r['test_acc']:.4f}; "
+            f"model saved to {trainer.outdir / 'model.pt'}")
     return 0
 
 

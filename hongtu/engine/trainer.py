@@ -9,10 +9,12 @@ epoch, and the final model under ``output.dir``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +30,7 @@ from hongtu.engine.budget import (
     resident_block_bytes,
 )
 from hongtu.engine.buffers import BufferPlan, HostBuffers
+from hongtu.engine.checkpoint import CHECKPOINT, atomic_torch_save, load_checkpoint, save_checkpoint
 from hongtu.engine.chunks import ChunkSet
 from hongtu.engine.executor import Executor
 from hongtu.errors import UserError
@@ -39,7 +42,7 @@ from hongtu.reorg import plan_batches
 __all__ = ["Trainer", "resolve_device", "load_data"]
 
 log = logging.getLogger("hongtu")
-_RESULT_FILES = ("model.pt", "metrics.jsonl", "config.yaml")
+_RESULT_FILES = ("model.pt", CHECKPOINT)
 
 
 def resolve_device(accelerator: str, devices: int) -> torch.device:
@@ -198,26 +201,45 @@ class Trainer:
                 f"host buffers:\n{plan.format()}")
 
     # ---------------------------------------------------------------- training
-    def fit(self, metrics_path: str | None = None, progress: bool | None = None) -> list[dict]:
-        """Train ``train.epochs`` epochs; returns the per-epoch records."""
+    def fit(self, metrics_path: str | None = None, progress: bool | None = None,
+            resume: bool = False) -> list[dict]:
+        """Train up to ``train.epochs`` epochs; returns the records of the epochs run.
+
+        With ``resume`` the run continues from ``output.dir/checkpoint.pt``.
+        SIGINT/SIGTERM finish the current epoch, write a checkpoint and raise
+        :class:`Interrupted`; a second signal aborts at once.
+        """
         cfg = self.cfg
         self.outdir.mkdir(parents=True, exist_ok=True)
+        start = load_checkpoint(self.outdir, self.model, self.optimizer,
+                                cfg.to_dict()) if resume else 0
+        if resume:
+            self.out(f"resuming after epoch {start} from {self.outdir / CHECKPOINT}")
         records = []
-        metrics = open(metrics_path, "a") if metrics_path else None
+        every = cfg.output.checkpoint_every
         show = sys.stderr.isatty() if progress is None else progress
-        try:
-            for epoch in range(cfg.train.epochs):
+        with _metrics_file(metrics_path) as metrics, _StopOnSignal() as stop:
+            for epoch in range(start, cfg.train.epochs):
                 rec = self.run_epoch(epoch, show)
                 records.append(rec)
                 self.out(_epoch_line(rec, cfg.train.epochs))
                 if metrics:
                     metrics.write(json.dumps(rec) + "\n")
                     metrics.flush()
-        finally:
-            if metrics:
-                metrics.close()
+                done = epoch + 1
+                if stop.signal is not None:
+                    self._checkpoint(done)
+                    raise Interrupted(f"stopped by {stop.signal} after epoch {done}; "
+                                      f"checkpoint in {self.outdir / CHECKPOINT}; continue with "
+                                      "hongtu train CONFIG --resume")
+                if every and done % every == 0 and done < cfg.train.epochs:
+                    self._checkpoint(done)
+        self._checkpoint(cfg.train.epochs)
         self.save()
         return records
+
+    def _checkpoint(self, epochs_done: int) -> None:
+        save_checkpoint(self.outdir, epochs_done, self.model, self.optimizer, self.cfg.to_dict())
 
     def run_epoch(self, epoch: int, progress: bool = False,
                   evaluate: bool | None = None) -> dict:
@@ -243,9 +265,7 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         t0 = time.perf_counter()
         res = ex.step(epoch, progress=tick)
-        if not np.isfinite(res.loss):
-            raise FloatingPointError(f"epoch {epoch}: the loss is {res.loss}; lower train.lr "
-                                     "or check the input features")
+        self._check_finite(epoch, res.loss)
         self.optimizer.step()
         acc = ex.evaluate(epoch, progress=tick) if evaluate else None
         if self.device.type == "cuda":
@@ -265,14 +285,68 @@ class Trainer:
                "peak_device_bytes": int(peak), "peak_measured": measured}
         return rec
 
+    def _check_finite(self, epoch: int, loss: float) -> None:
+        """Stop on a non-finite loss or gradient, naming the epoch and the layer."""
+        where = f"epoch {epoch + 1}"
+        if not np.isfinite(loss):
+            raise Diverged(f"{where}: the loss is {loss}; training stopped before the "
+                           "optimizer step (the last checkpoint is kept); lower train.lr or "
+                           "check the input features")
+        for l, layer in enumerate(self.model.layers):
+            for name, p in layer.named_parameters():
+                if p.grad is not None and not torch.isfinite(p.grad).all():
+                    raise Diverged(f"{where}: layer {l} ({layer!r}) has a non-finite gradient "
+                                   f"in '{name}'; training stopped before the optimizer step "
+                                   "(the last checkpoint is kept); lower train.lr")
+
     def save(self) -> Path:
         """Write the model (with the id permutation) to ``output.dir/model.pt`` atomically."""
         path = self.outdir / "model.pt"
-        tmp = path.with_suffix(".pt.tmp")
-        torch.save({"state_dict": self.model.state_dict(), "config": self.cfg.to_dict(),
-                    "perm": torch.from_numpy(self.partition.perm)}, tmp)
-        os.replace(tmp, path)
+        atomic_torch_save({"state_dict": self.model.state_dict(), "config": self.cfg.to_dict(),
+                           "perm": torch.from_numpy(self.partition.perm)}, path)
         return path
+
+
+class Interrupted(Exception):
+    """Training stopped on SIGINT/SIGTERM after writing a checkpoint (exit code 130)."""
+
+
+class Diverged(UserError):
+    """A non-finite loss or gradient stopped training."""
+
+
+class _StopOnSignal:
+    """Turn the first SIGINT/SIGTERM into a flag; a second one aborts at once."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self._old: dict = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum).name
+        log.warning("%s: finishing the current epoch, then writing a checkpoint "
+                    "(send it again to abort now)", self.signal)
+
+    def __enter__(self) -> _StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+@contextlib.contextmanager
+def _metrics_file(path: str | None):
+    if not path:
+        yield None
+        return
+    with open(path, "a") as f:
+        yield f
 
 
 def _epoch_line(rec: dict, epochs: int) -> str:
