@@ -41,16 +41,25 @@ def device_name() -> str:
     return f"cpu-{platform.node()}"
 
 
-def hongtu_run(args, budget: int | None, chunks) -> dict:
+#: hongtu configurations compared in one run (the paper's single-GPU ablation)
+SYSTEMS = {
+    "hongtu": {"dedup": {"reuse": True, "p2p": True}, "reorg": True},
+    "baseline": {"dedup": {"reuse": False, "p2p": False}, "reorg": False},
+}
+
+
+def hongtu_run(args, budget: int | None, chunks, system: str = "hongtu") -> dict:
     cfg = config_from_dict({
         "data": {"path": f"builtin:rmat-{args.scale}", "undirected": False, "self_loops": True},
         "model": {"layer": "gcn", "hidden": args.hidden, "layers": args.layers,
                   "dropout": 0.5},
         "train": {"epochs": args.epochs, "seed": 0},
         "engine": {"accelerator": args.accelerator, "chunks": chunks,
-                   "device_memory": budget if budget else "auto", "partitioner": "range"},
+                   "device_memory": budget if budget else "auto", "partitioner": "range",
+                   **SYSTEMS[system]},
         "output": {"dir": str(Path(args.workdir) / "run")},
     })
+    print(f"--- {system}", flush=True)
     tr = Trainer(cfg, overwrite=True, out=lambda s: print(s, flush=True))
     recs = []
     for e in range(args.epochs):
@@ -83,6 +92,9 @@ def hongtu_run(args, budget: int | None, chunks) -> dict:
         "peak_device_bytes": max(r["peak_device_bytes"] for r in steady),
         "peak_measured": steady[-1]["peak_measured"],
         "loss": [r["loss"] for r in recs],
+        "h2d_rows": steady[-1]["h2d_rows"],
+        "plan_rows": {"v_ori": tr.transfer_plan.v_ori, "v_ru": tr.transfer_plan.v_ru,
+                      "h2d_rows": tr.transfer_plan.h2d_rows},
         "time_split_s": {k: steady[-1][k] for k in steady[-1] if k.startswith("time_")},
     }
 
@@ -149,6 +161,8 @@ def main() -> int:
     ap.add_argument("--workdir", default="/tmp/hongtu_bench")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--skip-pyg", action="store_true")
+    ap.add_argument("--systems", default="hongtu,baseline",
+                    help=f"comma-separated hongtu configurations: {', '.join(SYSTEMS)}")
     ap.add_argument("--profile", action="store_true",
                     help="profile one more epoch with torch.profiler")
     args = ap.parse_args()
@@ -180,17 +194,22 @@ def main() -> int:
     budget = int(need * args.fraction)
     print(f"in-memory need {format_size(need)} ({need_from}); budget {format_size(budget)}",
           flush=True)
-    ht = hongtu_run(args, budget, "auto")
+    runs = {s: hongtu_run(args, budget, "auto", s) for s in args.systems.split(",")}
+    ht = runs.get("hongtu") or next(iter(runs.values()))
     result = {"device": device_name(), "scale": args.scale, "num_nodes": num_nodes,
               "num_edges": num_edges, "hidden": args.hidden, "layers": args.layers,
               "in_memory_need_bytes": need, "in_memory_need_from": need_from,
-              "budget_fraction": args.fraction, "hongtu": ht, "pyg": pyg}
+              "budget_fraction": args.fraction, **runs, "pyg": pyg}
     if pyg.get("status") == "ok":
         result["hongtu_over_pyg"] = ht["median_epoch_s"] / pyg["median_epoch_s"]
-    rows = [("system", "epoch s", "peak device", "h2d", "d2h"),
-            ("hongtu (%d chunks)" % ht["chunks"], f"{ht['median_epoch_s']:.3f}",
-             format_size(ht["peak_device_bytes"]), format_size(ht["h2d_bytes"]),
-             format_size(ht["d2h_bytes"]))]
+    if "baseline" in runs and "hongtu" in runs:
+        result["baseline_over_hongtu"] = (runs["baseline"]["median_epoch_s"]
+                                          / runs["hongtu"]["median_epoch_s"])
+    rows = [("system", "epoch s", "peak device", "h2d", "d2h")]
+    for s, r in runs.items():
+        rows.append((f"{s} ({r['chunks']} chunks)", f"{r['median_epoch_s']:.3f}",
+                     format_size(r["peak_device_bytes"]), format_size(r["h2d_bytes"]),
+                     format_size(r["d2h_bytes"])))
     if pyg.get("status") == "ok":
         rows.append(("PyG in memory", f"{pyg['median_epoch_s']:.3f}",
                      format_size(pyg["peak_device_bytes"] or 0), "-", "-"))

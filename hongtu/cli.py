@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -95,6 +96,36 @@ def _parser() -> argparse.ArgumentParser:
                    help="save the last hidden layer (float32, one row per vertex) instead of the "
                         "predicted class ids (int64, N)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+
+    p = sub.add_parser("report", parents=[common],
+                       help="communication-cost report: α, transfer volumes, bytes, memory",
+                       description="Plan CONFIG on paper (no GPU, no training buffers): "
+                                   "replication factor α per part count, transfer volumes "
+                                   "with and without reorg, predicted bytes and cost per "
+                                   "epoch, and device memory per chunk count.")
+    _add_config(p)
+    p.add_argument("--json", action="store_true", help="print one JSON document instead")
+    p.add_argument("--plot", metavar="FILE", help="also draw the report to FILE (.png)")
+    p.add_argument("--dump-plan", metavar="DIR",
+                   help="also write partition.npz and plan.npz to the directory DIR")
+    p.add_argument("--parts-list", metavar="2,4,...",
+                   help="part counts of the α table (default 2,4,...,512)")
+    p.add_argument("--chunks-list", metavar="4,8,...",
+                   help="chunk counts to compare (default: n and about n/4, n/2, 2n, 4n)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing plot or plan files")
+
+    p = sub.add_parser("calibrate", parents=[common],
+                       help="measure this machine's transfer throughputs (GB/s)",
+                       description="Measure host->device copies and row gathers, peer copies "
+                                   "between GPUs and device-local gathers (CPU equivalents "
+                                   "without CUDA); print them and write JSON that "
+                                   "engine.throughput.*=auto reads.")
+    p.add_argument("-o", "--output", metavar="FILE",
+                   help="JSON file to write (default .hongtu_cache/calibration.json)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing FILE")
+    p.add_argument("--size", metavar="MiB", type=int, default=256,
+                   help="MiB moved per measurement (default 256)")
     return parser
 
 
@@ -124,17 +155,23 @@ def _cmd_partition(args) -> int:
 
 def _cmd_train(args) -> int:
     from hongtu.config import load_config
+    from hongtu.engine.comm import in_distributed_launch
+    from hongtu.engine.launch import check_devices, launch
     from hongtu.engine.trainer import Interrupted, Trainer
 
     cfg = load_config(args.config, args.overrides)
+    if cfg.engine.devices > 1 and not in_distributed_launch():
+        check_devices(cfg.engine.accelerator, cfg.engine.devices)
+        return launch(args.argv, cfg.engine.devices)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
     metrics = Path(args.metrics) if args.metrics else None
     if metrics and metrics.exists() and not (args.overwrite or args.resume):
         raise UserError(f"metrics file '{metrics}' already exists; pass --overwrite to "
                         "replace it, --resume to append to it, or choose another file")
-    out = (lambda s: None) if args.quiet else print
+    out = (lambda s: None) if args.quiet or not rank0 else print
     # Resuming continues the results already in output.dir: nothing is replaced.
     trainer = Trainer(cfg, overwrite=args.overwrite or args.resume, out=out)
-    if metrics:
+    if metrics and rank0:
         metrics.parent.mkdir(parents=True, exist_ok=True)
         if not args.resume:
             metrics.write_text("")
@@ -181,14 +218,69 @@ def _cmd_predict(args) -> int:
     return 0
 
 
+def _cmd_report(args) -> int:
+    import json
+
+    from hongtu.config import load_config
+    from hongtu.plot import FORMATS, check_output
+    from hongtu.report import (
+        build_report,
+        check_dump_dir,
+        dump_plan,
+        format_report,
+        parse_counts,
+        plot_report,
+    )
+
+    cfg = load_config(args.config, args.overrides)
+    parts_list = parse_counts(args.parts_list, "--parts-list")
+    chunks_list = parse_counts(args.chunks_list, "--chunks-list")
+    # Refuse outputs before minutes of planning, not after.
+    if args.plot:
+        check_output(Path(args.plot), args.overwrite, FORMATS, "plot")
+    if args.dump_plan:
+        check_dump_dir(Path(args.dump_plan), args.overwrite)
+    rep = build_report(cfg, parts_list, chunks_list)
+    print(json.dumps(rep.data, indent=2) if args.json else format_report(rep.data))
+    done = []
+    if args.plot:
+        done.append(f"plot written to {plot_report(rep.data, args.plot, args.overwrite)}")
+    if args.dump_plan:
+        files = dump_plan(rep, args.dump_plan, args.overwrite)
+        done.append("plan written to " + ", ".join(str(f) for f in files))
+    for line in done:  # stderr keeps --json's stdout one document
+        print(line, file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _cmd_calibrate(args) -> int:
+    from hongtu.calibrate import (
+        calibrate,
+        default_output,
+        format_calibration,
+        write_calibration,
+    )
+    from hongtu.plot import check_output
+
+    out = Path(args.output) if args.output else default_output()
+    check_output(out, args.overwrite, None, "calibration")
+    result = calibrate(args.size)
+    print(format_calibration(result))
+    write_calibration(result, out, overwrite=args.overwrite)
+    print(f"written to {out}; engine.throughput.* = auto reads it from "
+          f"<engine.cache_dir>/calibration.json")
+    return 0
+
+
 _COMMANDS = {"train": _cmd_train, "partition": _cmd_partition, "plot": _cmd_plot,
-             "predict": _cmd_predict}
+             "predict": _cmd_predict, "report": _cmd_report, "calibrate": _cmd_calibrate}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``hongtu`` console script."""
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # to start ranks with
     # argparse stops filling 'overrides' at the first option, so key=value
     # after an option ('train CFG --overwrite train.epochs=3') lands here.
     if extra and hasattr(args, "overrides") and all(
@@ -206,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         if args.debug:
             raise
-        print(f"hongtu: error: {e}", file=sys.stderr)
+        who = f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        print(f"hongtu: error: {who}{e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("hongtu: interrupted", file=sys.stderr)

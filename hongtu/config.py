@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -29,7 +30,8 @@ from hongtu.errors import UserError
 
 __all__ = [
     "Config", "DataConfig", "ModelConfig", "TrainConfig", "EngineConfig", "DedupConfig",
-    "OutputConfig", "load_config", "config_from_dict", "parse_size", "format_size",
+    "ThroughputConfig", "OutputConfig", "THROUGHPUT_DEFAULTS", "load_config", "config_from_dict",
+    "parse_size", "format_size",
 ]
 
 Auto = Literal["auto"]
@@ -77,6 +79,12 @@ def _check_size(v: Any) -> str | None:
     except ValueError as e:
         return str(e)
     return None
+
+
+def _check_throughput(v: Any) -> str | None:
+    if v == "auto" or (math.isfinite(v) and v > 0):
+        return None
+    return "give a positive number of GB/s such as 21.5, or auto"
 
 
 def _check_layer(v: str) -> str | None:
@@ -131,6 +139,32 @@ class DedupConfig:
     p2p: bool = _f(True, "share rows between GPUs over the device link")
 
 
+#: Throughputs (GB/s) that ``auto`` falls back to without a calibration file
+#: (DESIGN.md §3): GPU gather of random rows from pinned host memory, NVLink
+#: peer copy, in-place reuse on the device.
+THROUGHPUT_DEFAULTS = {"host_to_device": 21.0, "device_to_device": 393.0, "reuse": 2000.0}
+
+
+@dataclass
+class ThroughputConfig:
+    """Link throughputs of the transfer cost model (HongTu Eq. 4), in GB/s (10^9 B/s).
+
+    ``auto`` takes the figure measured by ``hongtu calibrate``
+    (``<engine.cache_dir>/calibration.json``) when that file exists, else
+    :data:`THROUGHPUT_DEFAULTS`.
+    """
+
+    host_to_device: Auto | float = _f(
+        "auto", "GB/s of host -> device row loads (GPU gather from pinned host); auto = "
+        "calibration file, else 21", check=_check_throughput)
+    device_to_device: Auto | float = _f(
+        "auto", "GB/s of device <-> device peer copies; auto = calibration file, else 393",
+        check=_check_throughput)
+    reuse: Auto | float = _f(
+        "auto", "GB/s of in-place reuse on the device; auto = calibration file, else 2000",
+        check=_check_throughput)
+
+
 @dataclass
 class EngineConfig:
     """How and where training runs."""
@@ -147,7 +181,10 @@ class EngineConfig:
         "auto", "auto = recompute-caching hybrid | recompute everything in backward")
     dedup: DedupConfig = _f(DedupConfig(), "deduplicated transfers")
     reorg: bool = _f(True, "reorganise chunks into batches to share neighbours (HongTu Alg. 4)")
+    throughput: ThroughputConfig = _f(ThroughputConfig(), "link throughputs for the cost model")
     cache_dir: str = _f(".hongtu_cache", "where partitions and plans are cached")
+    timeout: float = _f(600.0, "seconds a rank waits for the others before the run fails",
+                        lo=1.0)
 
 
 @dataclass

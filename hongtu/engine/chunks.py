@@ -23,26 +23,37 @@ class ChunkSet:
     """All chunk blocks of a renumbered graph.
 
     Args:
-        blocks: ``blocks[i * n + j]`` is chunk ``(i, j)``.
+        blocks: ``blocks[i * n + j]`` is chunk ``(i, j)`` (``None`` for chunks
+            of parts this process does not train).
         num_parts: ``m``.
         num_chunks: ``n`` per part.
         chunk_ptr: flat destination boundaries (``m * n + 1``).
+        row0: first vertex of the host rows this process owns: chunk ranges
+            are reported relative to it (0 when one process owns all rows).
     """
 
-    blocks: list[Block]
+    blocks: list[Block | None]
     num_parts: int
     num_chunks: int
     chunk_ptr: np.ndarray
+    row0: int = 0
 
     @classmethod
     def build(cls, graph: Graph, chunk_ptr: np.ndarray, num_parts: int, num_chunks: int,
-              dtype: torch.dtype = torch.float32) -> ChunkSet:
-        """Cut every chunk's block out of ``graph`` (already renumbered)."""
+              dtype: torch.dtype = torch.float32, part: int | None = None) -> ChunkSet:
+        """Cut the chunks' blocks out of ``graph`` (already renumbered).
+
+        With ``part`` only that part's chunks are built, and ranges are local
+        to the part's rows (a rank of a multi-process run).
+        """
         in_deg = graph.in_degree()
+        n = num_chunks
+        mine = range(num_parts * n) if part is None else range(part * n, (part + 1) * n)
         blocks = [build_block(graph.indptr, graph.indices, in_deg, int(chunk_ptr[c]),
-                              int(chunk_ptr[c + 1]), dtype)
-                  for c in range(num_parts * num_chunks)]
-        return cls(blocks, num_parts, num_chunks, np.asarray(chunk_ptr, dtype=np.int64))
+                              int(chunk_ptr[c + 1]), dtype) if c in mine else None
+                  for c in range(num_parts * n)]
+        row0 = 0 if part is None else int(chunk_ptr[part * n])
+        return cls(blocks, num_parts, n, np.asarray(chunk_ptr, dtype=np.int64), row0)
 
     def batches(self) -> list[list[int]]:
         """Batch ``j`` = chunk ``j`` of every part (the identity order)."""
@@ -51,7 +62,9 @@ class ChunkSet:
 
     def max_rows(self) -> tuple[int, int]:
         """The most neighbour rows and the most destination rows of any chunk."""
-        return (max(b.num_src for b in self.blocks), max(b.num_dst for b in self.blocks))
+        own = [b for b in self.blocks if b is not None]
+        return (max(b.num_src for b in own), max(b.num_dst for b in own))
 
     def range(self, c: int) -> tuple[int, int]:
-        return int(self.chunk_ptr[c]), int(self.chunk_ptr[c + 1])
+        """Chunk ``c``'s destination rows in this process's host buffers."""
+        return int(self.chunk_ptr[c]) - self.row0, int(self.chunk_ptr[c + 1]) - self.row0

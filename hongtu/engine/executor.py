@@ -33,6 +33,7 @@ from torch import Tensor
 from hongtu.dedup import DevicePlan
 from hongtu.engine.buffers import HostBuffers
 from hongtu.engine.chunks import ChunkSet
+from hongtu.engine.comm import Comm
 from hongtu.engine.transfer import Mover
 from hongtu.nn.block import Block
 from hongtu.nn.model import GNN, layer_seed
@@ -56,15 +57,19 @@ class StepResult:
 class _PlanOnDevice:
     """A :class:`DevicePlan`'s index arrays on the compute device, sliced per step."""
 
-    def __init__(self, plan: DevicePlan, device: torch.device) -> None:
-        def dev(a: np.ndarray) -> Tensor:
-            return torch.from_numpy(np.asarray(a, dtype=np.int64)).to(device)
+    def __init__(self, plan: DevicePlan, device: torch.device, row0: int = 0) -> None:
+        def dev(a: np.ndarray, shift: int = 0) -> Tensor:
+            return torch.from_numpy(np.asarray(a, dtype=np.int64) - shift).to(device)
 
         self.plan = plan
-        self.load_ids, self.load_slots = dev(plan.load_ids), dev(plan.load_slots)
+        # Host ids become rows of this process's own host buffers (which start at row0).
+        self.load_ids, self.load_slots = dev(plan.load_ids, row0), dev(plan.load_slots)
         self.flush_slots = dev(plan.flush_slots)
-        self.flush_ids = np.asarray(plan.flush_ids, dtype=np.int64)  # host adds use them
+        self.flush_ids = np.asarray(plan.flush_ids, dtype=np.int64) - row0  # for host adds
         self.chunk_slots = dev(plan.chunk_slots)
+        self.send_slots = dev(plan.send_slots)
+        self.send_counts = plan.send_counts.tolist()
+        self.recv_counts = plan.recv_counts.tolist()
 
     def steps(self):
         """``(s, [(q, chunk id), ...])`` in processing order."""
@@ -79,6 +84,11 @@ class _PlanOnDevice:
     def flush(self, s: int) -> tuple[np.ndarray, Tensor]:
         a, b = int(self.plan.flush_ptr[s]), int(self.plan.flush_ptr[s + 1])
         return self.flush_ids[a:b], self.flush_slots[a:b]
+
+    def sends(self, s: int) -> tuple[Tensor, list[int], list[int]]:
+        """Step ``s``'s send slots and the per-peer send and receive counts."""
+        a, b = int(self.plan.send_ptr[s]), int(self.plan.send_ptr[s + 1])
+        return self.send_slots[a:b], self.send_counts[s], self.recv_counts[s]
 
     def slots(self, q: int) -> Tensor:
         p = self.plan.chunk_slot_ptr
@@ -102,11 +112,17 @@ class Executor:
         resident_blocks: keep every chunk's block on the device (when the
             budget allows); otherwise blocks wait in pinned host memory and
             are copied to the device for each use.
+        comm: the process group when several ranks train together (rank ``r``
+            trains part ``r``; its host buffers, labels and masks hold only
+            that part's rows, starting at ``chunks.row0``).
+        num_train: train vertices of the whole graph (the loss is normalised
+            by it); default ``masks["train"].sum()``.
     """
 
     def __init__(self, model: GNN, chunks: ChunkSet, buffers: HostBuffers, labels: Tensor,
                  masks: dict[str, Tensor], device: torch.device, plan: DevicePlan,
-                 checkpoint: str = "auto", seed: int = 0, resident_blocks: bool = True) -> None:
+                 checkpoint: str = "auto", seed: int = 0, resident_blocks: bool = True,
+                 comm: Comm | None = None, num_train: int | None = None) -> None:
         self.model = model
         self.chunks = chunks
         self.buf = buffers
@@ -115,23 +131,24 @@ class Executor:
         self.cached = [bool(layer.cacheable and checkpoint == "auto") for layer in model.layers]
         self.dtype = buffers.h[1].dtype
         widths = model.widths()
-        max_dst = max(b.num_dst for b in chunks.blocks)
+        self.comm = comm
+        max_dst = chunks.max_rows()[1]
         self.mover = Mover(device, {"dst": max_dst, "aux": max_dst, "grad": max_dst},
                            max(widths), self.dtype, stage_rows=plan.buffer_rows)
-        self.plan = _PlanOnDevice(plan, device)
+        self.plan = _PlanOnDevice(plan, device, chunks.row0)
         # The transition buffer (rows of h^l) and its gradient twin, allocated once.
         rows = max(plan.buffer_rows, 1)
         self._tbuf = torch.empty(rows * max(widths), dtype=self.dtype, device=device)
         self._gbuf = torch.empty(rows * max(widths), dtype=self.dtype, device=device)
         self.labels = labels.to(device)
         self.masks = {k: m.to(device) for k, m in masks.items()}
-        self.num_train = max(int(masks["train"].sum()), 1)
+        self.num_train = max(int(masks["train"].sum()) if num_train is None else num_train, 1)
         if device.type == "cpu":
             self._blocks = chunks.blocks
         elif resident_blocks:
-            self._blocks = [b.to(device) for b in chunks.blocks]
+            self._blocks = [b if b is None else b.to(device) for b in chunks.blocks]
         else:
-            self._blocks = [b.pin_memory() for b in chunks.blocks]
+            self._blocks = [b if b is None else b.pin_memory() for b in chunks.blocks]
         self._copy_blocks = device.type != "cpu" and not resident_blocks
 
     # ------------------------------------------------------------- helpers
@@ -160,6 +177,7 @@ class Executor:
             tbuf = self._buffer(self._tbuf, buf.h[l].shape[1])
             for s, chunks in plan.steps():
                 mv.load_rows_into(buf.h[l], *plan.load(s), tbuf)
+                self._exchange(s, tbuf)
                 for q, c in chunks:
                     block = self._block(c)
                     v0, v1 = self.chunks.range(c)
@@ -177,7 +195,38 @@ class Executor:
                         mv.store_range(buf.h[l + 1], v0, out)
                     if progress is not None:
                         progress(1)
+        if self.comm is not None:
+            self._reduce(res)
         return res
+
+    def _exchange(self, s: int, tbuf: Tensor) -> None:
+        """Rows other ranks need go to them; rows this rank needs land in the receive area."""
+        if self.comm is None:
+            return
+        slots, send, recv = self.plan.sends(s)
+        area = tbuf.narrow(0, self.plan.plan.num_slots, sum(recv))
+        self.mover.exchange(self.comm, area, recv, tbuf.index_select(0, slots), send)
+
+    def _exchange_back(self, s: int, gbuf: Tensor) -> None:
+        """Gradients of received rows return to their owners and are added at their slots."""
+        if self.comm is None:
+            return
+        slots, send, recv = self.plan.sends(s)
+        area = gbuf.narrow(0, self.plan.plan.num_slots, sum(recv))
+        back = gbuf.new_empty((slots.shape[0], gbuf.shape[1]))
+        self.mover.exchange(self.comm, back, send, area.contiguous(), recv)
+        gbuf.index_add_(0, slots, back)
+
+    def _reduce(self, res: StepResult) -> None:
+        """Loss and accuracy counts of all ranks."""
+        keys = sorted(res.correct)
+        t = torch.tensor([res.loss] + [res.correct[k] for k in keys]
+                         + [res.total[k] for k in keys], dtype=torch.float64, device=self.device)
+        self.comm.all_reduce_(t)
+        v = t.tolist()
+        res.loss = v[0]
+        for i, k in enumerate(keys):
+            res.correct[k], res.total[k] = int(v[1 + i]), int(v[1 + len(keys) + i])
 
     def _output(self, logits: Tensor, v0: int, v1: int, train: bool, res: StepResult) -> None:
         y = self.labels[v0:v1]
@@ -219,14 +268,19 @@ class Executor:
                 ids, slots = plan.load(s)
                 if not self.cached[l]:
                     mv.load_rows_into(buf.h[l], ids, slots, tbuf)
+                    self._exchange(s, tbuf)
                 if need_in:
                     gbuf.index_fill_(0, slots, 0)  # rows entering start with no gradient
+                    gbuf[plan.plan.num_slots:].zero_()  # and so does the receive area
                 for q, c in chunks:
                     self._backward_chunk(l, layer, q, c, tbuf, gbuf, need_in, seed)
                     if progress is not None:
                         progress(1)
                 if need_in:
+                    self._exchange_back(s, gbuf)
                     mv.flush_rows(buf.grad[l], *plan.flush(s), gbuf)
+        if self.comm is not None:
+            self.comm.all_reduce_grads(self.model.parameters())
 
     def _backward_chunk(self, l: int, layer, q: int, c: int, tbuf: Tensor, gbuf: Tensor,
                         need_in: bool, seed: int) -> None:
@@ -267,7 +321,7 @@ class Executor:
 
     def batches_per_epoch(self, evaluate: bool) -> int:
         """Chunk visits of one epoch (for progress bars)."""
-        per_pass = len(self.chunks.blocks) * self.model.num_layers
+        per_pass = (self.plan.plan.chunk_ids.shape[0]) * self.model.num_layers
         return per_pass * (3 if evaluate else 2)
 
 

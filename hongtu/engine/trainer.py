@@ -10,8 +10,10 @@ epoch, and the final model under ``output.dir``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -32,6 +34,7 @@ from hongtu.engine.budget import (
 from hongtu.engine.buffers import BufferPlan, HostBuffers
 from hongtu.engine.checkpoint import CHECKPOINT, atomic_torch_save, load_checkpoint, save_checkpoint
 from hongtu.engine.chunks import ChunkSet
+from hongtu.engine.comm import in_distributed_launch, init_from_env
 from hongtu.engine.executor import Executor
 from hongtu.errors import UserError
 from hongtu.graph import Graph
@@ -45,16 +48,23 @@ log = logging.getLogger("hongtu")
 _RESULT_FILES = ("model.pt", CHECKPOINT)
 
 
-def resolve_device(accelerator: str, devices: int) -> torch.device:
-    """``auto | cpu | cuda`` to a device, with one clear error when it is not there."""
-    if devices > 1:
-        raise UserError(f"engine.devices={devices}: this version trains on one device; "
-                        "set engine.devices=1 (multi-GPU training is on the roadmap)")
+def resolve_device(accelerator: str, devices: int, local_rank: int = 0) -> torch.device:
+    """``auto | cpu | cuda`` to this process's device, with one clear error when it is not there.
+
+    Args:
+        accelerator: ``engine.accelerator``.
+        devices: GPUs used on this machine (``engine.devices``).
+        local_rank: this process's index on its machine.
+    """
     if accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise UserError("engine.accelerator=cuda but no CUDA device is available "
                             "(torch.cuda.is_available() is False); use engine.accelerator=cpu")
-        return torch.device("cuda", torch.cuda.current_device())
+        have = torch.cuda.device_count()
+        if devices > have or local_rank >= have:
+            raise UserError(f"engine.devices={max(devices, local_rank + 1)} but this machine "
+                            f"has {have} GPU(s); set engine.devices ≤ {have}")
+        return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 
@@ -98,16 +108,40 @@ class Trainer:
                                 f"({', '.join(existing)}); pass --overwrite to replace them, "
                                 "or set output.dir to a new directory")
         e = cfg.engine
-        self.device = resolve_device(e.accelerator, e.devices)
+        self.comm = None
+        if in_distributed_launch():
+            local = int(os.environ.get("LOCAL_RANK", 0))
+            self.device = resolve_device(e.accelerator, e.devices, local)
+            self.comm = init_from_env(self.device.type == "cuda", e.timeout)
+        else:
+            if e.devices > 1:
+                raise UserError(f"engine.devices={e.devices} needs one process per device; "
+                                "start it with 'hongtu train' (which launches them) or torchrun")
+            self.device = resolve_device(e.accelerator, 1)
+        world, rank = (self.comm.world, self.comm.rank) if self.comm else (1, 0)
+        self.rank, self.world = rank, world
+        if rank != 0:
+            self.out = out = _silent  # one voice: rank 0 reports for all
         t0 = time.perf_counter()
         graph = load_data(cfg)
         self.num_classes = graph.num_classes
         torch.manual_seed(cfg.train.seed)
         self.model: GNN = build_model(cfg.model, graph.num_features, self.num_classes)
         self.model.to(device=self.device, dtype=dtype)
-        parts = e.devices if e.parts == "auto" else e.parts
+        parts = world if e.parts == "auto" else e.parts
+        if world > 1 and parts != world:
+            raise UserError(f"engine.parts={parts} with {world} processes: each process trains "
+                            "one part; set engine.parts=auto")
+        if world > 1 and not e.dedup.p2p:
+            raise UserError(f"engine.dedup.p2p=false with {world} processes: a process holds "
+                            "only its own part's host rows, so rows of other parts must travel "
+                            "GPU-to-GPU; set engine.dedup.p2p=true")
+        if rank != 0:
+            self.comm.barrier()  # rank 0 partitions and caches; the others read the cache
         assignment = assign_parts(graph, parts, method=e.partitioner, seed=cfg.train.seed,
                                   cache_dir=e.cache_dir)
+        if rank == 0 and self.comm:
+            self.comm.barrier()
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.budget = self._budget()
         if e.chunks == "auto":
@@ -127,37 +161,51 @@ class Trainer:
             raise UserError(f"engine.chunks={chunks} needs about {format_size(self.estimate)} "
                             f"on the device but engine.device_memory is "
                             f"{format_size(self.budget)}; use engine.chunks=auto or more chunks")
-        g = self.partition.apply(graph)
+        # Renumber the structure; each process takes only its own rows of the
+        # features (a memory-mapped file is read for those rows alone).
+        a, b = (int(self.partition.part_ptr[rank]), int(self.partition.part_ptr[rank + 1])) \
+            if world > 1 else (0, graph.num_nodes)
+        g = self.partition.apply(dataclasses.replace(graph, x=None))
+        x_own = np.asarray(graph.x[self.partition.perm[a:b]]) if world > 1 else None
+        if world == 1:
+            g.x = np.asarray(graph.x)[self.partition.perm]
+        del graph
         self.graph = g
         t_plan = time.perf_counter()
         self.order, self.transfer_plan = plan_batches(
             g.indptr, g.indices, self.partition.chunk_ptr, parts, chunks,
-            reuse=e.dedup.reuse, p2p=e.dedup.p2p, reorg=e.reorg, devices=1,
+            reuse=e.dedup.reuse, p2p=e.dedup.p2p, reorg=e.reorg, devices=world,
             row_bytes=itemsize * max(self.model.widths()))
         self.plan_s = time.perf_counter() - t_plan
         self.estimate = estimate_device_bytes(
-            self.model, sizes, itemsize, num_nodes=graph.num_nodes,
-            buffer_rows=self.transfer_plan.plans[0].buffer_rows)
+            self.model, sizes, itemsize, num_nodes=b - a,
+            buffer_rows=self.transfer_plan.plans[rank].buffer_rows)
         if self.budget is not None and self.estimate > self.budget:
             raise UserError(f"the transfer plan's buffers need about "
                             f"{format_size(self.estimate)} on the device but "
                             f"engine.device_memory is {format_size(self.budget)}; use more "
                             "engine.chunks or raise engine.device_memory")
-        self.chunks = ChunkSet.build(g, self.partition.chunk_ptr, parts, chunks, dtype)
+        self.chunks = ChunkSet.build(g, self.partition.chunk_ptr, parts, chunks, dtype,
+                                     part=rank if world > 1 else None)
         cached = [bool(layer.cacheable and e.checkpoint == "auto") for layer in self.model.layers]
-        plan = BufferPlan(g.num_nodes, self.model.widths(), cached, itemsize)
+        plan = BufferPlan(b - a, self.model.widths(), cached, itemsize)
         self.out(self._plan_text(plan, parts, chunks))
-        buffers = HostBuffers(plan, g.x, pin=self.device.type == "cuda", dtype=dtype)
-        if self.device.type == "cuda":
-            g.x = None  # h^0 is a pinned copy of the features now; drop this one
-        masks = {k: torch.from_numpy(np.asarray(getattr(g, f"{k}_mask") if getattr(
-            g, f"{k}_mask") is not None else np.zeros(g.num_nodes, bool)))
-            for k in ("train", "val", "test")}
+        buffers = HostBuffers(plan, g.x if world == 1 else x_own,
+                              pin=self.device.type == "cuda", dtype=dtype)
+        g.x = x_own = None  # h^0 holds the features now (a pinned copy on GPUs)
+
+        def own(mask):
+            mask = np.zeros(g.num_nodes, bool) if mask is None else np.asarray(mask)
+            return torch.from_numpy(mask[a:b].copy())
+
+        masks = {k: own(getattr(g, f"{k}_mask")) for k in ("train", "val", "test")}
         resident = self.budget is None or (
             self.estimate + resident_block_bytes(sizes, itemsize) <= self.budget)
-        self.executor = Executor(self.model, self.chunks, buffers, torch.from_numpy(
-            np.asarray(g.y, dtype=np.int64)), masks, self.device, self.transfer_plan.plans[0],
-            e.checkpoint, cfg.train.seed, resident_blocks=resident)
+        self.executor = Executor(
+            self.model, self.chunks, buffers,
+            torch.from_numpy(np.asarray(g.y[a:b], dtype=np.int64)), masks, self.device,
+            self.transfer_plan.plans[rank], e.checkpoint, cfg.train.seed,
+            resident_blocks=resident, comm=self.comm, num_train=int(np.sum(g.train_mask)))
         self.optimizer = self._optimizer()
         self.preprocess_s = time.perf_counter() - t0
 
@@ -192,7 +240,7 @@ class Trainer:
                      f"{tp.h2d_rows / n:.3f} (reuse={tp.reuse}, p2p={tp.p2p}, "
                      f"reorg={self.cfg.engine.reorg}; planned in {self.plan_s:.2f} s)")
         return (f"graph {self.graph.name}: {self.graph.num_nodes} vertices, "
-                f"{self.graph.num_edges} edges, {self.graph.num_features} features, "
+                f"{self.graph.num_edges} edges, {self.model.widths()[0]} features, "
                 f"{self.num_classes} classes\n"
                 f"model: {layers}\n"
                 f"device {self.device}: {parts} part(s) x {chunks} chunk(s); "
@@ -217,8 +265,12 @@ class Trainer:
             self.out(f"resuming after epoch {start} from {self.outdir / CHECKPOINT}")
         records = []
         every = cfg.output.checkpoint_every
-        show = sys.stderr.isatty() if progress is None else progress
-        with _metrics_file(metrics_path) as metrics, _StopOnSignal() as stop:
+        show = (sys.stderr.isatty() if progress is None else progress) and self.rank == 0
+        if self.rank != 0:
+            metrics_path = None  # rank 0 writes the run's files
+        # With several processes the launcher owns the signals (it stops every rank).
+        stop_ctx = _StopOnSignal() if self.world == 1 else contextlib.nullcontext(_NoSignal())
+        with _metrics_file(metrics_path) as metrics, stop_ctx as stop:
             for epoch in range(start, cfg.train.epochs):
                 rec = self.run_epoch(epoch, show)
                 records.append(rec)
@@ -239,7 +291,9 @@ class Trainer:
         return records
 
     def _checkpoint(self, epochs_done: int) -> None:
-        save_checkpoint(self.outdir, epochs_done, self.model, self.optimizer, self.cfg.to_dict())
+        if self.rank == 0:
+            save_checkpoint(self.outdir, epochs_done, self.model, self.optimizer,
+                            self.cfg.to_dict())
 
     def run_epoch(self, epoch: int, progress: bool = False,
                   evaluate: bool | None = None) -> dict:
@@ -258,7 +312,15 @@ class Trainer:
 
             bar = tqdm(total=ex.batches_per_epoch(evaluate), desc=f"epoch {epoch}",
                        leave=False, unit="chunk", file=sys.stderr)
-        tick = bar.update if bar else None
+        tick = None
+        if bar:
+            moved = ex.mover.traffic
+
+            def tick(k: int) -> None:
+                bar.update(k)
+                if bar.n % 8 == 0:  # keep the bar cheap: refresh the figure now and then
+                    bar.set_postfix_str(f"rows h2d {moved.h2d_rows:,} d2h {moved.d2h_rows:,}",
+                                        refresh=False)
         ex.mover.traffic.reset()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -276,13 +338,31 @@ class Trainer:
         dt = time.perf_counter() - t0
         if bar:
             bar.close()
+        traffic = ex.mover.traffic.as_dict()
+        per_rank = None
+        if self.comm is not None:
+            # Every rank's own traffic, and the run's totals in the usual keys.
+            keys = sorted(traffic)
+            t = torch.zeros((self.world, len(keys)), dtype=torch.float64, device=self.device)
+            t[self.rank] = torch.tensor([float(traffic[k]) for k in keys], dtype=torch.float64)
+            self.comm.all_reduce_(t)
+            per_rank = [{k: (int(v) if k.endswith(("bytes", "rows")) else v)
+                         for k, v in zip(keys, row)} for row in t.tolist()]
+            traffic = {k: (max if k.startswith("time_") else sum)(r[k] for r in per_rank)
+                       for k in keys}
+            if measured:
+                peak_t = torch.tensor([float(peak)], device=self.device)
+                torch.distributed.all_reduce(peak_t, op=torch.distributed.ReduceOp.MAX)
+                peak = int(peak_t.item())
         rec = {"epoch": epoch, "loss": res.loss,
                "train_acc": acc.accuracy("train") if acc else None,
                "val_acc": acc.accuracy("val") if acc else None,
                "test_acc": acc.accuracy("test") if acc else None,
-               "epoch_s": dt, **ex.mover.traffic.as_dict(),
+               "epoch_s": dt, **traffic,
                "time_compute_s": max(0.0, dt - ex.mover.traffic.moving_s()),
                "peak_device_bytes": int(peak), "peak_measured": measured}
+        if per_rank is not None:
+            rec["ranks"] = per_rank
         return rec
 
     def _check_finite(self, epoch: int, loss: float) -> None:
@@ -302,6 +382,8 @@ class Trainer:
     def save(self) -> Path:
         """Write the model (with the id permutation) to ``output.dir/model.pt`` atomically."""
         path = self.outdir / "model.pt"
+        if self.rank != 0:
+            return path
         atomic_torch_save({"state_dict": self.model.state_dict(), "config": self.cfg.to_dict(),
                            "perm": torch.from_numpy(self.partition.perm)}, path)
         return path
@@ -313,6 +395,10 @@ class Interrupted(Exception):
 
 class Diverged(UserError):
     """A non-finite loss or gradient stopped training."""
+
+
+class _NoSignal:
+    signal = None
 
 
 class _StopOnSignal:
@@ -347,6 +433,10 @@ def _metrics_file(path: str | None):
         return
     with open(path, "a") as f:
         yield f
+
+
+def _silent(_: str) -> None:
+    pass
 
 
 def _epoch_line(rec: dict, epochs: int) -> str:

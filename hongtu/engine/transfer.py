@@ -158,6 +158,16 @@ class Mover:
         self.traffic.d2h_bytes += value.numel() * self.itemsize
         self.traffic.time_d2h_s += self._clock() - t0
 
+    def exchange(self, comm, out: Tensor, out_counts: list[int], inp: Tensor,
+                 in_counts: list[int]) -> None:
+        """Device-to-device rows between ranks (all-to-all), counted as d2d."""
+        t0 = self._clock()
+        comm.exchange(out, out_counts, inp, in_counts)
+        rows = int(inp.shape[0])
+        self.traffic.d2d_rows += rows
+        self.traffic.d2d_bytes += inp.numel() * self.itemsize
+        self.traffic.time_d2d_s += self._clock() - t0
+
     def _to_host(self, value: Tensor) -> np.ndarray:
         value = value.detach()
         if not self.cuda:

@@ -1,0 +1,71 @@
+r"""Collectives between ranks (torch.distributed): row exchange and reductions.
+
+One process per device; rank ``r`` owns part ``r``. Rows a rank's chunk needs
+from another part travel device-to-device with one ``all_to_all_single`` per
+step (NCCL on GPUs, gloo on CPU), in the layout the planner fixed
+(:class:`hongtu.dedup.DevicePlan`: send lists grouped by peer, receive area
+split by peer). Gradients of received rows go back the same way, reversed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["Comm", "init_from_env", "in_distributed_launch"]
+
+
+def in_distributed_launch() -> bool:
+    """True inside a worker started by torchrun or hongtu's own launcher."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+@dataclass
+class Comm:
+    """This rank's view of the process group."""
+
+    rank: int
+    world: int
+    local_rank: int
+
+    def exchange(self, out: Tensor, out_counts: list[int], inp: Tensor,
+                 in_counts: list[int]) -> None:
+        """``all_to_all_single``: ``inp`` split by ``in_counts`` to the peers, ``out`` filled."""
+        dist.all_to_all_single(out, inp, out_counts, in_counts)
+
+    def all_reduce_(self, t: Tensor) -> Tensor:
+        """Sum ``t`` over ranks in place."""
+        dist.all_reduce(t)
+        return t
+
+    def all_reduce_grads(self, params) -> None:
+        """Sum the parameter gradients over ranks (one flat bucket)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        o = 0
+        for g in grads:
+            g.copy_(flat[o:o + g.numel()].view_as(g))
+            o += g.numel()
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+
+def init_from_env(cuda: bool, timeout_s: float) -> Comm:
+    """Join the process group described by torchrun's environment variables."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    if not dist.is_initialized():
+        if cuda:
+            torch.cuda.set_device(local)
+        dist.init_process_group("nccl" if cuda else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    return Comm(rank, world, local)

@@ -1,0 +1,73 @@
+r"""Starting one process per device: torch's elastic launcher, or torchrun's ranks.
+
+``hongtu train CONFIG engine.devices=4`` runs :func:`launch`, which starts four
+workers on this machine with ``torch.distributed.launcher`` (the machinery of
+``torchrun``), each running the same command as a rank. Started under
+``torchrun`` (any ``--nnodes``), the command finds ``RANK``/``WORLD_SIZE`` in
+its environment and simply is a rank. Either way, an error in one rank ends
+that rank with its one-line message (naming the rank); the launcher then stops
+the others, and the command exits with that rank's code.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import uuid
+
+import torch
+
+from hongtu.errors import UserError
+
+__all__ = ["launch", "check_devices"]
+
+
+def check_devices(accelerator: str, devices: int) -> None:
+    """Fail before starting anything when the machine lacks the devices asked for."""
+    cuda = accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available())
+    if not cuda:
+        return
+    if not torch.cuda.is_available():
+        raise UserError("engine.accelerator=cuda but no CUDA device is available "
+                        "(torch.cuda.is_available() is False); use engine.accelerator=cpu")
+    have = torch.cuda.device_count()
+    if devices > have:
+        raise UserError(f"engine.devices={devices} but this machine has {have} GPU(s); set "
+                        f"engine.devices ≤ {have}, or use torchrun across machines")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(argv: list[str]) -> None:
+    from hongtu.cli import main
+
+    code = main(argv)
+    if code:
+        # A non-zero exit makes the launcher stop the other ranks.
+        sys.exit(code)
+
+
+def launch(argv: list[str], devices: int) -> int:
+    """Run ``hongtu <argv>`` as ``devices`` local ranks; the exit code of the run."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=devices,
+                          run_id=uuid.uuid4().hex, rdzv_backend="c10d",
+                          rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
+                          monitor_interval=0.2, start_method="spawn")
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // devices)))
+    try:
+        elastic_launch(config, _worker)(argv)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
+        print(f"hongtu: error: rank {rank} failed (exit code {failure.exitcode}); the other "
+              "ranks were stopped; its message is above", file=sys.stderr)
+        return code
+    return 0

@@ -1,0 +1,547 @@
+r"""``hongtu report``: what training a config would move, and what it would need, on paper.
+
+No GPU, no host buffers: the partitioner (cached), the dedup planner, the
+reorganizer and the memory planner's estimate give (1) the replication factor
+:math:`\alpha = \sum_P |N(P)| / |V|` for 2, 4, ..., 512 parts (HongTu Table 3);
+(2) for ``m`` parts x ``n`` chunks, :math:`V_{ori}`, :math:`V_{ori} - V_{+p2p}`,
+:math:`V_{+p2p} - V_{+ru}` over :math:`|V|` (Table 8) for each batch order the
+reorganizer tries; (3) the bytes of every layer and of a training step, and
+the cost :math:`C` (Eq. 4) at ``engine.throughput``; (4) the estimated device
+memory of ``n`` and nearby chunk counts against ``engine.device_memory``.
+
+Example::
+
+    >>> rep = build_report(load_config("configs/gcn_example.yaml"))
+    >>> print(format_report(rep.data))
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from hongtu.calibrate import resolve_throughput
+from hongtu.config import Config, format_size, parse_size
+from hongtu.dedup import TransferPlan, neighbour_sets, plan_transfers
+from hongtu.dedup.sets import identity_order
+from hongtu.errors import UserError
+from hongtu.graph import Graph
+from hongtu.partition import Partition, assign_parts, chunk_partition
+from hongtu.partition._kernels import count_cut_edges, distinct_sources
+from hongtu.reorg import cost, reorganize_report
+
+__all__ = ["PARTS_LIST", "Report", "build_report", "dump_plan", "format_report",
+           "parse_counts", "plot_report"]
+
+#: Part counts of the replication table (HongTu Table 3).
+PARTS_LIST = (2, 4, 8, 16, 32, 64, 128, 256, 512)
+_CPU_CHUNKS = 8
+_ORDER_LABELS = {"identity": "identity (no reorg)", "order": "order (phase 2)",
+                 "group+order": "group+order (phases 1+2)"}
+
+
+@dataclass
+class Report:
+    """The report: ``data`` (JSON-serialisable) and the plan it describes."""
+
+    data: dict
+    partition: Partition
+    plan: TransferPlan
+
+
+def parse_counts(text: str | None, what: str) -> list[int] | None:
+    """``"2,4,8"`` -> ``[2, 4, 8]`` (``None`` stays ``None``)."""
+    if text is None:
+        return None
+    try:
+        counts = sorted({int(t) for t in text.split(",") if t.strip()})
+    except ValueError:
+        counts = []
+    if not counts or counts[0] < 1:
+        raise UserError(f"{what} '{text}': give positive whole numbers separated by commas, "
+                        "e.g. 2,4,8")
+    return counts
+
+
+# ----------------------------------------------------------------- analysis
+def _replication(graph: Graph, method: str, seed: int, cache_dir: str,
+                 counts: list[int]) -> tuple[list[dict], list[int]]:
+    """α and cut fraction of ``method`` for each part count (level 1 only, cached)."""
+    rows, skipped = [], []
+    for m in counts:
+        if m > graph.num_nodes // 2:
+            skipped.append(m)
+            continue
+        t0 = time.perf_counter()
+        assignment, hit = assign_parts(graph, m, method=method, seed=seed, cache_dir=cache_dir,
+                                       return_hit=True)
+        perm = np.argsort(assignment, kind="stable")
+        part_ptr = np.zeros(m + 1, dtype=np.int64)
+        np.cumsum(np.bincount(assignment, minlength=m), out=part_ptr[1:])
+        nbrs = distinct_sources(graph.indptr, graph.indices, perm, part_ptr)
+        cut = count_cut_edges(graph.indptr, graph.indices, assignment)
+        rows.append({"parts": m, "alpha": float(nbrs.sum()) / max(graph.num_nodes, 1),
+                     "cut_fraction": cut / max(graph.num_edges, 1), "cached": bool(hit),
+                     "seconds": time.perf_counter() - t0})
+    return rows, skipped
+
+
+def _traffic(widths, cached, needs_dst, itemsize: int, num_nodes: int, h2d_rows: int,
+             d2h_rows: int) -> dict:
+    """Bytes of one training step (forward, loss, backward) as the executor moves them."""
+    n = num_nodes
+    layers = []
+    for l in range(len(widths) - 1):
+        row, out = widths[l] * itemsize, widths[l + 1] * itemsize
+        dst = n * row if needs_dst[l] else 0
+        layers.append({
+            "layer": l, "width": widths[l], "row_bytes": row, "cached": cached[l],
+            "forward_bytes": h2d_rows * row,
+            "backward_reload_bytes": 0 if cached[l] else h2d_rows * row,
+            "flush_bytes": d2h_rows * row if l > 0 else 0,
+            "aggregate_d2h_bytes": n * row if cached[l] else 0,
+            "aggregate_h2d_bytes": n * row if cached[l] else 0,
+            # own rows h^l[V] (forward and backward), ∇h^{l+1}[V] in backward
+            "range_h2d_bytes": 2 * dst + n * out,
+            # h^{l+1}[V] (∇h^L for the last layer), ∇h^l[V] of the own rows
+            "range_d2h_bytes": n * out + (dst if l > 0 else 0),
+            "evaluation_bytes": h2d_rows * row + dst + n * out,
+        })
+    t = {k: sum(x[k] for x in layers) for k in layers[0] if k.endswith("_bytes")}
+    t.pop("row_bytes")
+    t["neighbour_bytes"] = t["forward_bytes"] + t["backward_reload_bytes"] + t["flush_bytes"]
+    t["h2d_bytes"] = (t["forward_bytes"] + t["backward_reload_bytes"] + t["aggregate_h2d_bytes"]
+                      + t["range_h2d_bytes"])
+    t["d2h_bytes"] = t["flush_bytes"] + t["aggregate_d2h_bytes"] + t["range_d2h_bytes"]
+    t["contiguous_bytes"] = t["h2d_bytes"] + t["d2h_bytes"] - t["neighbour_bytes"]
+    return {"layers": layers, "epoch": t}
+
+
+def _volumes(vol, c: float) -> dict:
+    nv = vol.normalised()
+    return {"v_ori": vol.v_ori, "v_p2p": vol.v_p2p, "v_ru": vol.v_ru,
+            "v_ori_norm": nv["v_ori"], "p2p_saved_norm": nv["p2p_saved"],
+            "ru_saved_norm": nv["ru_saved"], "v_ru_norm": nv["v_ru"],
+            "reduction_pct": 100.0 * (1 - vol.v_ru / vol.v_ori) if vol.v_ori else 0.0,
+            "cost_s": c}
+
+
+@dataclass
+class _Setting:
+    """Everything the report needs about one chunk count."""
+
+    partition: Partition
+    plan: TransferPlan
+    order_name: str
+    candidates: dict
+    device_bytes: int
+
+
+def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict,
+                 compare: bool = True) -> _Setting:
+    """Partition, order and plan ``m x n`` chunks as training would (``compare``: every
+    reorganizer candidate's volumes too, else only what ``engine.reorg`` needs)."""
+    from hongtu.engine.budget import chunk_sizes, estimate_device_bytes
+
+    e = ctx["engine"]
+    part = chunk_partition(graph, assignment, n, num_parts=m, method=e.partitioner,
+                           seed=ctx["seed"])
+    g = part.apply(graph)
+    nb = neighbour_sets(g.indptr, g.indices, part.chunk_ptr)
+    tp, rb = ctx["throughput"], ctx["row_bytes"]
+    order, name, candidates = identity_order(m, n), "identity", {}
+    if compare or e.reorg:
+        rep = reorganize_report(g.indptr, g.indices, part.chunk_ptr, m, n, neighbours=nb,
+                                row_bytes=rb, t_hd=tp["host_to_device"],
+                                t_dd=tp["device_to_device"], t_ru=tp["reuse"])
+        candidates = {k: _volumes(v, rep.costs[k]) for k, v in rep.volumes.items()}
+        if e.reorg:
+            order, name = rep.order, rep.chosen
+    plan = plan_transfers(g.indptr, g.indices, part.chunk_ptr, m, n, order=order,
+                          reuse=e.dedup.reuse, p2p=e.dedup.p2p, devices=ctx["devices"],
+                          row_bytes=rb, neighbours=nb)
+    sizes = chunk_sizes(graph, part.perm, part.chunk_ptr)
+    need = estimate_device_bytes(ctx["model"], sizes, ctx["itemsize"], num_nodes=graph.num_nodes,
+                                 buffer_rows=max(p.buffer_rows for p in plan.plans))
+    return _Setting(part, plan, name, candidates, need)
+
+
+def _alternatives(n: int, smallest: int, chosen_list: list[int] | None) -> list[int]:
+    """Chunk counts to compare: ``n`` and the :data:`CHUNK_CANDIDATES` nearest n/4, n/2, 2n, 4n."""
+    from hongtu.engine.budget import CHUNK_CANDIDATES
+
+    if chosen_list is not None:
+        return sorted({c for c in [*chosen_list, n] if c <= smallest})
+    out = {n}
+    for f in (0.25, 0.5, 2.0, 4.0):
+        target = n * f
+        if target < 1 or target > smallest:
+            continue
+        best = min(CHUNK_CANDIDATES, key=lambda c: (abs(math.log(c / target)), c))
+        if best <= smallest:
+            out.add(best)
+    return sorted(out)
+
+
+def _costs(plan: TransferPlan, traffic: dict, tp: dict, passes: list[int]) -> dict:
+    """C (Eq. 4) of each layer pass and of an epoch, on the volumes the plan executes."""
+    from hongtu.dedup import Volumes
+
+    v_p2p = plan.v_p2p if plan.p2p or plan.num_parts == 1 else plan.v_ori
+    eff = Volumes(plan.v_ori, v_p2p, min(plan.h2d_rows, v_p2p))  # = the paper's with dedup on
+    per_layer = [cost(eff, tp["host_to_device"], tp["device_to_device"], tp["reuse"],
+                      row_bytes=x["row_bytes"]) for x in traffic["layers"]]
+    c_epoch = sum(c * p for c, p in zip(per_layer, passes))
+    contiguous_s = traffic["epoch"]["contiguous_bytes"] / tp["contiguous"]
+    return {"per_layer_pass_s": per_layer, "passes": passes, "epoch_s": c_epoch,
+            "contiguous_s": contiguous_s, "lower_bound_s": c_epoch + contiguous_s}
+
+
+def _budget_and_chunks(cfg: Config, graph: Graph, assignment: np.ndarray, m: int, model,
+                       notes: list[str]) -> tuple[int | None, int, str]:
+    """``(budget, n, how n was chosen)``, as the trainer chooses (8 chunks without a budget)."""
+    import torch
+
+    from hongtu.engine.budget import choose_chunks
+
+    e = cfg.engine
+    smallest = int(np.bincount(assignment, minlength=m).min())
+    budget = None if e.device_memory == "auto" else parse_size(e.device_memory)
+    if budget is None and e.accelerator != "cpu" and torch.cuda.is_available():
+        budget = int(torch.cuda.mem_get_info()[0] * 0.9)
+        notes.append(f"engine.device_memory=auto: 90% of this GPU's free memory, "
+                     f"{format_size(budget)}")
+    if e.chunks != "auto":
+        if e.chunks > smallest:
+            raise UserError(f"engine.chunks={e.chunks} but the smallest part has only "
+                            f"{smallest} vertices; use engine.chunks ≤ {smallest}")
+        return budget, e.chunks, "configured"
+    if budget is None:
+        n = min(_CPU_CHUNKS, smallest)
+        notes.append(f"engine.chunks=auto with engine.device_memory=auto has no budget on a "
+                     f"machine without CUDA: the report uses {n} chunks per part; set "
+                     "engine.device_memory to the target GPU's memory to choose as training will")
+        return None, n, "auto without a budget"
+    n, _ = choose_chunks(graph, assignment, m, model, budget, 4)
+    return budget, n, f"auto: fewest that fit {format_size(budget)}"
+
+
+def build_report(cfg: Config, parts_list: list[int] | None = None,
+                 chunks_list: list[int] | None = None) -> Report:
+    """Compute the report of ``cfg`` (see the module docstring).
+
+    Args:
+        cfg: the run's configuration.
+        parts_list: part counts of the α table (default :data:`PARTS_LIST`).
+        chunks_list: chunk counts to compare (default ``n`` and its neighbours).
+    """
+    from hongtu.engine.trainer import load_data
+    from hongtu.nn.model import build_model
+
+    e, notes, t = cfg.engine, [], {}
+    t0 = time.perf_counter()
+    full = load_data(cfg)
+    model = build_model(cfg.model, full.num_features, full.num_classes)
+    info = {"name": full.name, "num_nodes": full.num_nodes, "num_edges": full.num_edges,
+            "num_features": full.num_features, "num_classes": full.num_classes}
+    # The report never needs vertex data: keep the structure alone.
+    graph = replace(full, x=None, y=None, train_mask=None, val_mask=None, test_mask=None)
+    del full
+    t["load_s"] = time.perf_counter() - t0
+    m = e.devices if e.parts == "auto" else e.parts
+    if e.devices > 1:
+        notes.append(f"engine.devices={e.devices}: training runs on one device in this "
+                     f"version; the plan is made for {e.devices} devices, one part each")
+    widths, itemsize = model.widths(), 4
+    cached = [bool(layer.cacheable and e.checkpoint == "auto") for layer in model.layers]
+    needs_dst = [bool(layer.needs_dst) for layer in model.layers]
+    passes = [1 + (not cached[l]) + (l > 0) for l in range(len(cached))]
+    tp = resolve_throughput(e)
+
+    t0 = time.perf_counter()
+    alpha, skipped = _replication(graph, e.partitioner, cfg.train.seed, e.cache_dir,
+                                  list(PARTS_LIST if parts_list is None else parts_list))
+    t["replication_s"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    assignment = assign_parts(graph, m, method=e.partitioner, seed=cfg.train.seed,
+                              cache_dir=e.cache_dir)
+    budget, n, chunks_how = _budget_and_chunks(cfg, graph, assignment, m, model, notes)
+    ctx = {"engine": e, "seed": cfg.train.seed, "throughput": tp, "devices": e.devices,
+           "row_bytes": itemsize * max(widths), "model": model, "itemsize": itemsize}
+    main = _plan_chunks(graph, assignment, m, n, ctx)
+    t["plan_s"] = time.perf_counter() - t0
+
+    def traffic_of(plan: TransferPlan) -> dict:
+        return _traffic(widths, cached, needs_dst, itemsize, graph.num_nodes, plan.h2d_rows,
+                        plan.d2h_rows)
+
+    t0 = time.perf_counter()
+    memory = []
+    smallest = int(np.bincount(assignment, minlength=m).min())
+    for k in _alternatives(n, smallest, chunks_list):
+        s = main if k == n else _plan_chunks(graph, assignment, m, k, ctx, compare=False)
+        tr = traffic_of(s.plan)
+        memory.append({"chunks": k, "device_bytes": s.device_bytes,
+                       "fits": None if budget is None else s.device_bytes <= budget,
+                       "buffer_rows": max(p.buffer_rows for p in s.plan.plans),
+                       "v_ru_norm": s.plan.v_ru / max(graph.num_nodes, 1), "order": s.order_name,
+                       "neighbour_bytes": tr["epoch"]["neighbour_bytes"],
+                       "h2d_bytes": tr["epoch"]["h2d_bytes"],
+                       "lower_bound_s": _costs(s.plan, tr, tp, passes)["lower_bound_s"]})
+    t["alternatives_s"] = time.perf_counter() - t0
+    fitting = [r["chunks"] for r in memory if r["fits"]]
+    cands, traffic = main.candidates, traffic_of(main.plan)
+    data = {
+        "graph": info,
+        "model": {"layers": [repr(x) for x in model.layers], "widths": widths,
+                  "cached": cached, "needs_dst": needs_dst, "itemsize": itemsize},
+        "engine": {"partitioner": e.partitioner, "parts": m, "chunks": n,
+                   "chunks_how": chunks_how, "devices": e.devices, "reuse": e.dedup.reuse,
+                   "p2p": e.dedup.p2p, "reorg": e.reorg, "checkpoint": e.checkpoint,
+                   "device_memory": budget, "smallest_part": smallest},
+        "throughput": {k: v / 1e9 for k, v in tp.items() if k != "source"}
+                      | {"source": tp["source"]},
+        "replication": alpha, "replication_skipped": skipped,
+        "volumes": {"candidates": cands, "chosen": main.order_name, "without_reorg": "identity",
+                    "with_reorg": min(cands, key=lambda k: cands[k]["cost_s"]),
+                    "plan": {k: int(v) for k, v in main.plan.volumes().items()
+                             if not k.endswith("_bytes")}},
+        "transfers": traffic, "cost": _costs(main.plan, traffic, tp, passes),
+        "memory": {"budget": budget, "chunks": n, "rows": memory,
+                   "suggested_chunks": min(fitting) if fitting else None},
+        "notes": notes, "timings": t,
+    }
+    return Report(data, main.partition, main.plan)
+
+
+# -------------------------------------------------------------------- text
+def _table(rows: list[tuple], right: set[int]) -> list[str]:
+    """Aligned columns (``right``: right-aligned ones), a rule under the header."""
+    widths = [max(len(str(r[c])) for r in rows) for c in range(len(rows[0]))]
+    out = []
+    for k, r in enumerate(rows):
+        cells = [str(x).rjust(w) if c in right else str(x).ljust(w)
+                 for c, (x, w) in enumerate(zip(r, widths))]
+        out.append("  " + "  ".join(cells).rstrip())
+        if k == 0:
+            out.append("  " + "  ".join(("-" if h else " ") * w
+                                        for h, w in zip(r, widths)).rstrip())
+    return out
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.2f} ms" if s < 1 else f"{s:,.2f} s"
+
+
+def _header(d: dict) -> list[str]:
+    g, en, tp = d["graph"], d["engine"], d["throughput"]
+    model = ", ".join(x + (" [cached]" if c else "")
+                      for x, c in zip(d["model"]["layers"], d["model"]["cached"]))
+    src = {k: v if v in ("config", "default") else "calibrated" for k, v in tp["source"].items()}
+    return [
+        f"graph {g['name']}: {g['num_nodes']:,} vertices, {g['num_edges']:,} edges; model: {model}",
+        f"engine: {en['partitioner']} partitioner, {en['parts']} part(s) x {en['chunks']} "
+        f"chunk(s) ({en['chunks_how']}), {en['devices']} device(s); reuse={en['reuse']}, "
+        f"p2p={en['p2p']}, reorg={en['reorg']}, checkpoint={en['checkpoint']}, fp32",
+        "throughput (GB/s): " + ", ".join(
+            f"{k.replace('_', ' ')} {tp[k]:,.1f} ({src[k]})"
+            for k in ("host_to_device", "device_to_device", "reuse", "contiguous")),
+        *(f"note: {x}" for x in d["notes"])]
+
+
+def _alpha_section(d: dict) -> list[str]:
+    rep = d["replication"]
+    lines = ["", f"replication factor α (HongTu Table 3), {d['engine']['partitioner']} "
+             "partitioner: rows each layer reads per vertex when every part loads its own "
+             "neighbours"]
+    if rep:
+        lines += _table([("parts", *(str(r["parts"]) for r in rep)),
+                         ("α", *(f"{r['alpha']:.3f}" for r in rep)),
+                         ("cut %", *(f"{100 * r['cut_fraction']:.1f}" for r in rep))],
+                        right=set(range(1, len(rep) + 1)))
+    if d["replication_skipped"]:
+        lines.append(f"  skipped {', '.join(map(str, d['replication_skipped']))} parts: more "
+                     f"than |V|/2 = {d['graph']['num_nodes'] // 2:,}")
+    return lines
+
+
+def _volume_section(d: dict) -> list[str]:
+    v, en = d["volumes"], d["engine"]
+    lines = ["", f"transfer volumes of one layer pass, {en['parts']} part(s) x {en['chunks']} "
+             "chunk(s), rows / |V| (HongTu Table 8)"]
+    rows = [("batch order", "V_ori", "V_ori-V_+p2p", "V_+p2p-V_+ru", "V_+ru", "host saved",
+             "C / pass", "")]
+    for name, c in v["candidates"].items():
+        rows.append((_ORDER_LABELS.get(name, name), f"{c['v_ori_norm']:.3f}",
+                     f"{c['p2p_saved_norm']:.3f}", f"{c['ru_saved_norm']:.3f}",
+                     f"{c['v_ru_norm']:.3f}", f"{c['reduction_pct']:.1f}%", _ms(c["cost_s"]),
+                     "<- used" if name == v["chosen"] else ""))
+    lines += _table(rows, right={1, 2, 3, 4, 5, 6})
+    wo, wr = v["candidates"][v["without_reorg"]], v["candidates"][v["with_reorg"]]
+    lines.append(f"  host traffic V_+ru vs V_ori: -{wo['reduction_pct']:.1f}% without reorg, "
+                 f"-{wr['reduction_pct']:.1f}% with reorg ({v['with_reorg']}); C at "
+                 f"{d['model']['itemsize'] * max(d['model']['widths'])} B rows")
+    return lines
+
+
+def _transfer_section(d: dict) -> list[str]:
+    fs, n = format_size, d["graph"]["num_nodes"]
+    t, c, p, tp = d["transfers"], d["cost"], d["volumes"]["plan"], d["throughput"]
+    lines = ["", "predicted transfers of one training step (plan: batch order "
+             f"'{d['volumes']['chosen']}'; loads {p['h2d_rows'] / n:.3f} |V| rows per pass, "
+             f"flushes {p['d2h_rows'] / n:.3f} |V|)"]
+    rows = [("layer", "width", "cached", "forward", "bwd reload", "grad flush", "aggregates",
+             "ranges", "C / pass", "passes")]
+    for x, cl, ps in zip(t["layers"], c["per_layer_pass_s"], c["passes"]):
+        rows.append((str(x["layer"]), str(x["width"]), "yes" if x["cached"] else "no",
+                     fs(x["forward_bytes"]), fs(x["backward_reload_bytes"]), fs(x["flush_bytes"]),
+                     fs(x["aggregate_d2h_bytes"] + x["aggregate_h2d_bytes"]),
+                     fs(x["range_h2d_bytes"] + x["range_d2h_bytes"]), _ms(cl), str(ps)))
+    lines += _table(rows, right=set(range(1, 10)) - {2})
+    ep = t["epoch"]
+    return lines + [
+        f"  epoch: neighbour rows {fs(ep['neighbour_bytes'])} (forward {fs(ep['forward_bytes'])}"
+        f" + backward reloads {fs(ep['backward_reload_bytes'])} + gradient flushes "
+        f"{fs(ep['flush_bytes'])}); cached aggregates "
+        f"{fs(ep['aggregate_d2h_bytes'] + ep['aggregate_h2d_bytes'])} and contiguous ranges "
+        f"{fs(ep['range_h2d_bytes'] + ep['range_d2h_bytes'])} besides",
+        f"  epoch totals: host->device {fs(ep['h2d_bytes'])}, device->host "
+        f"{fs(ep['d2h_bytes'])}; an evaluation pass adds {fs(ep['evaluation_bytes'])}",
+        f"  cost C (Eq. 4) per epoch {_ms(c['epoch_s'])} + contiguous {_ms(c['contiguous_s'])} "
+        f"at {tp['contiguous']:,.1f} GB/s = transfer lower bound {_ms(c['lower_bound_s'])} "
+        f"per epoch at host link {tp['host_to_device']:,.1f} GB/s"]
+
+
+def _memory_section(d: dict) -> list[str]:
+    mem = d["memory"]
+    budget = "none" if mem["budget"] is None else format_size(mem["budget"])
+    lines = ["", "device memory per chunk (estimated peak with the plan's buffer) vs host "
+             f"traffic, budget {budget}"]
+    rows = [("chunks", "buffer rows", "est. peak", "fits", "V_+ru/|V|", "neighbour/epoch",
+             "lower bound", "")]
+    for r in mem["rows"]:
+        rows.append((str(r["chunks"]), f"{r['buffer_rows']:,}", format_size(r["device_bytes"]),
+                     "-" if r["fits"] is None else ("yes" if r["fits"] else "no"),
+                     f"{r['v_ru_norm']:.3f}", format_size(r["neighbour_bytes"]),
+                     _ms(r["lower_bound_s"]),
+                     "<- this config" if r["chunks"] == mem["chunks"] else ""))
+    lines += _table(rows, right={1, 2, 3, 4, 5, 6})
+    if mem["budget"] is None:
+        lines.append("  no budget: set engine.device_memory to mark which chunk counts fit")
+    elif mem["suggested_chunks"] is not None:
+        lines.append(f"  fewest chunks listed that fit: engine.chunks={mem['suggested_chunks']}")
+    else:
+        lines.append("  none listed fits: try more chunks (--chunks-list) or raise "
+                     "engine.device_memory")
+    return lines
+
+
+def format_report(d: dict) -> str:
+    """The report as plain-text tables (what ``hongtu report`` prints)."""
+    tm = d["timings"]
+    lines = [*_header(d), *_alpha_section(d), *_volume_section(d), *_transfer_section(d),
+             *_memory_section(d),
+             f"\nreport computed in {sum(tm.values()):.1f} s (load {tm['load_s']:.1f} s, "
+             f"α {tm['replication_s']:.1f} s, plan {tm['plan_s']:.1f} s, other chunk counts "
+             f"{tm['alternatives_s']:.1f} s)"]
+    return "\n".join(lines)
+
+
+# -------------------------------------------------------------------- plot
+def plot_report(d: dict, out: str | Path, overwrite: bool = False) -> Path:
+    """Draw α, the volumes with and without reorg, and the chunk-count trade-off."""
+    from matplotlib.figure import Figure
+
+    from hongtu.plot import FORMATS, check_output, write_atomic
+
+    out = Path(out)
+    check_output(out, overwrite, FORMATS, "plot")
+    fig = Figure(figsize=(14, 4.2), layout="constrained")
+    ax1, ax2, ax3 = fig.subplots(1, 3)
+    parts = [r["parts"] for r in d["replication"]]
+    ax1.plot(parts, [r["alpha"] for r in d["replication"]], marker="o")
+    if parts:
+        ax1.set_xscale("log", base=2)
+        ax1.set_xticks(parts, labels=[str(k) for k in parts])
+    ax1.set(xlabel="parts", ylabel="replication factor α",
+            title=f"α, {d['engine']['partitioner']} partitioner")
+
+    cands, chosen = d["volumes"]["candidates"], d["volumes"]["chosen"]
+    names = [k + (" (used)" if k == chosen else "") for k in cands]
+    bottom = np.zeros(len(names))
+    for key, label in (("v_ru_norm", "V_+ru (host)"), ("ru_saved_norm", "V_+p2p − V_+ru (reuse)"),
+                       ("p2p_saved_norm", "V_ori − V_+p2p (p2p)")):
+        vals = np.array([c[key] for c in cands.values()])
+        ax2.bar(names, vals, bottom=bottom, label=label)
+        bottom += vals
+    ax2.set(ylabel="rows per layer pass / |V|", ylim=(0, 1.4 * max(bottom.max(), 1e-9)),
+            title=f"volumes, {d['engine']['parts']} parts x {d['engine']['chunks']} chunks")
+    ax2.legend(fontsize="small", loc="upper center", ncols=2)
+
+    mem = d["memory"]["rows"]
+    ks = [r["chunks"] for r in mem]
+    ax3.plot(ks, [r["device_bytes"] / 2**30 for r in mem], marker="o", color="C0",
+             label="device memory (est.)")
+    if d["memory"]["budget"] is not None:
+        ax3.axhline(d["memory"]["budget"] / 2**30, color="C0", linestyle="--", label="budget")
+    ax3.axvline(d["engine"]["chunks"], color="gray", linestyle=":", label="this config")
+    ax3.set_xscale("log", base=2)
+    ax3.set_xticks(ks, labels=[str(k) for k in ks])
+    ax3.set(xlabel="chunks per part", ylabel="GiB per chunk on the device",
+            title="chunk count trade-off")
+    twin = ax3.twinx()
+    twin.plot(ks, [r["neighbour_bytes"] / 2**30 for r in mem], marker="s", color="C3",
+              label="host traffic / epoch")
+    twin.set_ylabel("GiB of neighbour rows per epoch")
+    ax3.legend(*(a + b for a, b in zip(ax3.get_legend_handles_labels(),
+                                       twin.get_legend_handles_labels())),
+               fontsize="small", loc="upper center")
+    for ax in (ax1, ax2, ax3):
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"hongtu report: {d['graph']['name']}")
+    fmt = out.suffix.lower().lstrip(".")
+    write_atomic(out, lambda f: fig.savefig(f, format=fmt, dpi=100))
+    return out
+
+
+# -------------------------------------------------------------------- dump
+def check_dump_dir(path: Path, overwrite: bool) -> None:
+    """Refuse a file, or a non-empty directory without ``overwrite``."""
+    if path.exists() and not path.is_dir():
+        raise UserError(f"--dump-plan '{path}' is a file; give a directory")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise UserError(f"--dump-plan directory '{path}' is not empty; pass --overwrite to "
+                        "replace its plan files, or choose an empty directory")
+
+
+def dump_plan(rep: Report, path: str | Path, overwrite: bool = False) -> list[Path]:
+    """Write ``partition.npz`` and ``plan.npz`` (no pickles) into the directory ``path``.
+
+    ``partition.npz``: ``part`` and ``chunk`` of every original vertex, ``perm``
+    (new id -> original), ``part_ptr``, ``chunk_ptr``, ``num_parts``,
+    ``num_chunks``, ``method``, ``seed``. ``plan.npz``:
+    :meth:`TransferPlan.to_npz_dict` (its ``order`` is the batch order) and
+    ``order_name``, the reorganizer candidate used.
+    """
+    from hongtu.plot import write_atomic
+
+    path = Path(path)
+    check_dump_dir(path, overwrite)
+    p = rep.partition
+    part, chunk = p.assignment()
+    files = {
+        "partition.npz": {"part": part, "chunk": chunk, "perm": p.perm, "part_ptr": p.part_ptr,
+                          "chunk_ptr": p.chunk_ptr, "num_parts": np.asarray(p.num_parts),
+                          "num_chunks": np.asarray(p.num_chunks),
+                          "method": np.asarray(p.method), "seed": np.asarray(p.seed)},
+        "plan.npz": {**rep.plan.to_npz_dict(),
+                     "order_name": np.asarray(rep.data["volumes"]["chosen"])},
+    }
+    for name, arrays in files.items():
+        write_atomic(path / name, lambda f, a=arrays: np.savez(f, **a))
+    return [path / name for name in files]

@@ -1,0 +1,85 @@
+"""Multi-process training through the real command: elastic launch, torchrun nodes, failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+CFG = str(REPO / "configs" / "gcn_example.yaml")
+BASE = ["engine.accelerator=cpu", "model.hidden=16", "train.epochs=3", "engine.chunks=3"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def hongtu(tmp, *args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "hongtu", "train", CFG, *BASE,
+                           f"engine.cache_dir={tmp}/cache", *args],
+                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def records(path):
+    return [json.loads(line) for line in open(path)]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The reference: one process training the same two METIS parts."""
+    tmp = tmp_path_factory.mktemp("one")
+    out = hongtu(tmp, f"output.dir={tmp}/run", "engine.parts=2", "--metrics", f"{tmp}/m.jsonl")
+    assert out.returncode == 0, out.stderr
+    return records(tmp / "m.jsonl")
+
+
+def assert_same_losses(recs, ref):
+    assert len(recs) == len(ref)
+    for a, b in zip(recs, ref):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["loss"], b["loss"])
+
+
+def test_two_ranks_match_one_process(tmp_path, one_process):
+    out = hongtu(tmp_path, f"output.dir={tmp_path}/run", "engine.devices=2",
+                 "--metrics", f"{tmp_path}/m.jsonl")
+    assert out.returncode == 0, out.stderr
+    recs = records(tmp_path / "m.jsonl")
+    assert_same_losses(recs, one_process)
+    assert out.stdout.count("epoch    1/3") == 1, "rank 0 alone reports"
+    ranks = recs[-1]["ranks"]
+    assert len(ranks) == 2 and all(r["d2d_rows"] > 0 and r["h2d_rows"] > 0 for r in ranks)
+    assert recs[-1]["h2d_rows"] == sum(r["h2d_rows"] for r in ranks)
+    assert (tmp_path / "run" / "model.pt").is_file()
+
+
+def test_two_torchrun_nodes_on_loopback(tmp_path, one_process):
+    """Two launchers, --nnodes 2, one process each, rendezvous on 127.0.0.1."""
+    p = port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node",
+           "1", "--master_addr", "127.0.0.1", "--master_port", str(p), "-m", "hongtu", "train",
+           CFG, *BASE, f"engine.cache_dir={tmp_path}/cache", f"output.dir={tmp_path}/run",
+           "--metrics", f"{tmp_path}/m.jsonl"]
+    nodes = [subprocess.Popen(cmd[:3] + ["--node_rank", str(r)] + cmd[3:], cwd=REPO, env=ENV,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    outs = [n.communicate(timeout=300) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert_same_losses(records(tmp_path / "m.jsonl"), one_process)
+
+
+def test_failure_in_one_rank_ends_all_ranks(tmp_path):
+    out = hongtu(tmp_path, f"output.dir={tmp_path}/run", "engine.devices=2",
+                 "model.layer=tests.engine.failing_layer:FailOnRank1", timeout=180)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "hongtu: error: rank 1: injected failure for the test" in out.stderr
+    assert "rank 1 failed" in out.stderr
+    assert not (tmp_path / "run" / "model.pt").exists()

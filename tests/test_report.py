@@ -1,0 +1,306 @@
+"""``hongtu report`` and ``hongtu calibrate``: figures equal the planner's, files load back.
+
+All on ``builtin:sbm-small`` with the ``range`` or ``random`` partitioner (no
+METIS), a temporary ``engine.cache_dir`` and a CPU; a few seconds in all.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from hongtu import cli
+from hongtu.calibrate import resolve_throughput
+from hongtu.config import load_config
+from hongtu.dedup import TransferPlan, plan_transfers
+from hongtu.dedup.sets import identity_order
+from hongtu.engine.trainer import load_data
+from hongtu.errors import UserError
+from hongtu.partition import partition_graph, partition_stats
+from hongtu.reorg import reorganize
+from hongtu.report import build_report
+from tests.conftest import REPO
+
+CONFIG = str(REPO / "configs" / "gcn_example.yaml")
+
+
+def base(tmp_path, *extra: str) -> list[str]:
+    return ["data.path=builtin:sbm-small", "engine.partitioner=range", "engine.parts=2",
+            "engine.chunks=4", "engine.accelerator=cpu", f"engine.cache_dir={tmp_path / 'cache'}",
+            *extra]
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    rc = cli.main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+@pytest.fixture(scope="module")
+def report_json(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("report")
+    cfg = load_config(CONFIG, base(tmp))
+    return cfg, build_report(cfg).data
+
+
+# ---------------------------------------------------------------- the text
+def test_text_report_has_every_section(capsys, tmp_path):
+    rc, out, err = run(capsys, "report", CONFIG, *base(tmp_path), "--parts-list", "2,4,8")
+    assert rc == 0, err
+    for phrase in ("graph sbm-small: 3,000 vertices", "replication factor α (HongTu Table 3)",
+                   "transfer volumes of one layer pass", "(HongTu Table 8)",
+                   "identity (no reorg)", "host traffic V_+ru vs V_ori",
+                   "predicted transfers of one training step", "gradient flushes",
+                   "cached aggregates", "cost C (Eq. 4) per epoch", "transfer lower bound",
+                   "device memory per chunk", "<- this config", "throughput (GB/s)"):
+        assert phrase in out, phrase
+
+
+# ---------------------------------------------------------------- the JSON
+def test_json_volumes_equal_the_planner(capsys, tmp_path, report_json):
+    cfg, _ = report_json
+    rc, out, err = run(capsys, "report", CONFIG, *base(tmp_path), "--json", "--parts-list", "2")
+    assert rc == 0, err
+    d = json.loads(out)  # one JSON document, nothing else on stdout
+    graph = load_data(cfg)
+    p = partition_graph(graph, 2, 4, method="range")
+    g = p.apply(graph)
+    n = g.num_nodes
+    rb = 4 * max(d["model"]["widths"])
+    direct = {"identity": plan_transfers(g.indptr, g.indices, p.chunk_ptr, 2, 4, row_bytes=rb)}
+    order = reorganize(g.indptr, g.indices, p.chunk_ptr, 2, 4, row_bytes=rb)
+    chosen = plan_transfers(g.indptr, g.indices, p.chunk_ptr, 2, 4, order=order, row_bytes=rb)
+    direct[d["volumes"]["chosen"]] = chosen
+    for name, plan in direct.items():
+        c = d["volumes"]["candidates"][name]
+        assert (c["v_ori"], c["v_p2p"], c["v_ru"]) == (plan.v_ori, plan.v_p2p, plan.v_ru)
+        assert c["v_ori_norm"] == pytest.approx(plan.v_ori / n)
+        assert c["p2p_saved_norm"] == pytest.approx((plan.v_ori - plan.v_p2p) / n)
+        assert c["ru_saved_norm"] == pytest.approx((plan.v_p2p - plan.v_ru) / n)
+        # the reduction figure is V_+ru against V_ori
+        assert c["reduction_pct"] == pytest.approx(100 * (1 - plan.v_ru / plan.v_ori))
+        assert 0 < c["reduction_pct"] < 100
+    assert d["volumes"]["plan"]["h2d_rows"] == chosen.h2d_rows
+    # what the report calls "with reorg" is never costlier than "without"
+    cands = d["volumes"]["candidates"]
+    assert cands[d["volumes"]["with_reorg"]]["cost_s"] <= cands["identity"]["cost_s"]
+    # per-layer bytes are rows x width x 4
+    for layer in d["transfers"]["layers"]:
+        assert layer["forward_bytes"] == chosen.h2d_rows * layer["width"] * 4
+
+
+def test_alpha_is_partition_stats_and_grows_with_parts(report_json, tmp_path):
+    cfg, d = report_json
+    rows = d["replication"]
+    assert [r["parts"] for r in rows] == [2, 4, 8, 16, 32, 64, 128, 256, 512]
+    alphas = [r["alpha"] for r in rows]
+    assert all(a >= 1 for a in alphas)
+    assert all(b >= a for a, b in zip(alphas, alphas[1:])), alphas  # true for range here
+    graph = load_data(cfg)
+    for r in rows[:3]:
+        stats = partition_stats(graph, partition_graph(graph, r["parts"], 1, method="range"))
+        assert r["alpha"] == pytest.approx(stats["alpha_parts"])
+        assert r["cut_fraction"] == pytest.approx(stats["cut_fraction"])
+
+
+def test_alpha_skips_part_counts_above_half_the_vertices(tmp_path):
+    cfg = load_config(CONFIG, base(tmp_path, "engine.partitioner=random"))
+    d = build_report(cfg, parts_list=[2, 1500, 1501, 4096], chunks_list=[]).data
+    assert [r["parts"] for r in d["replication"]] == [2, 1500]
+    assert d["replication_skipped"] == [1501, 4096]
+
+
+@pytest.mark.parametrize("extra", [
+    [],
+    ["model.layer=sage", "model.layers=3", "engine.dedup.reuse=false"],
+    ["model.layer=gat", "model.heads=2", "model.hidden=8", "engine.partitioner=random"],
+], ids=["gcn-cached", "sage-no-reuse", "gat-recomputed"])
+def test_predicted_bytes_equal_what_the_engine_moves(tmp_path, extra):
+    from hongtu.engine.trainer import Trainer
+
+    cfg = load_config(CONFIG, base(tmp_path, f"output.dir={tmp_path / 'run'}", *extra))
+    epoch = build_report(cfg, parts_list=[], chunks_list=[]).data["transfers"]["epoch"]
+    trainer = Trainer(cfg, out=lambda _: None)
+    step = trainer.run_epoch(0, evaluate=False)
+    assert (step["h2d_bytes"], step["d2h_bytes"]) == (epoch["h2d_bytes"], epoch["d2h_bytes"])
+    both = trainer.run_epoch(1, evaluate=True)
+    moved = both["h2d_bytes"] + both["d2h_bytes"] - step["h2d_bytes"] - step["d2h_bytes"]
+    assert moved == epoch["evaluation_bytes"]
+
+
+def _midpoint_budget(tmp_path) -> int:
+    """A budget between the estimates of 1 and 16 chunks per part."""
+    cfg = load_config(CONFIG, base(tmp_path))
+    rows = {r["chunks"]: r for r in build_report(cfg, [], [1, 16]).data["memory"]["rows"]}
+    assert rows[1]["device_bytes"] > rows[16]["device_bytes"]  # more chunks, less memory
+    return (rows[1]["device_bytes"] + rows[16]["device_bytes"]) // 2
+
+
+def test_memory_table_marks_fit_and_the_chosen_count(tmp_path):
+    budget = _midpoint_budget(tmp_path)
+    cfg = load_config(CONFIG, base(tmp_path, f"engine.device_memory={budget}"))
+    d = build_report(cfg, parts_list=[]).data
+    rows = {r["chunks"]: r for r in d["memory"]["rows"]}
+    assert set(rows) == {1, 2, 4, 8, 16}  # n = 4 and about n/4, n/2, 2n, 4n
+    assert d["memory"]["budget"] == budget
+    for r in rows.values():
+        assert r["fits"] == (r["device_bytes"] <= budget)
+    assert rows[16]["fits"] and not rows[1]["fits"]
+    assert rows[16]["neighbour_bytes"] > rows[1]["neighbour_bytes"]  # ... more host traffic
+    assert d["memory"]["suggested_chunks"] == min(k for k, r in rows.items() if r["fits"])
+
+
+def test_chunks_auto(tmp_path):
+    from hongtu.engine.budget import choose_chunks
+    from hongtu.nn.model import build_model
+    from hongtu.partition import assign_parts
+
+    cfg = load_config(CONFIG, base(tmp_path, "engine.chunks=auto"))
+    d = build_report(cfg, parts_list=[], chunks_list=[]).data
+    assert d["engine"]["chunks"] == 8 and any("8 chunks per part" in x for x in d["notes"])
+    budget = _midpoint_budget(tmp_path)
+    cfg = load_config(CONFIG, base(tmp_path, "engine.chunks=auto",
+                                   f"engine.device_memory={budget}"))
+    d = build_report(cfg, parts_list=[], chunks_list=[]).data
+    graph = load_data(cfg)
+    model = build_model(cfg.model, graph.num_features, graph.num_classes)
+    expect, _ = choose_chunks(graph, assign_parts(graph, 2, "range"), 2, model, budget)
+    assert d["engine"]["chunks"] == expect
+
+
+def test_report_allocates_no_training_buffers(tmp_path, monkeypatch):
+    from hongtu.engine import buffers
+
+    def refuse(*a, **k):
+        raise AssertionError("the report allocated host buffers")
+
+    monkeypatch.setattr(buffers.HostBuffers, "__init__", refuse)
+    build_report(load_config(CONFIG, base(tmp_path)), parts_list=[2], chunks_list=[])
+
+
+# --------------------------------------------------------- plot and plan files
+def test_plot_writes_a_png_and_refuses_to_overwrite(capsys, tmp_path):
+    from matplotlib.image import imread
+
+    png = tmp_path / "report.png"
+    rc, out, err = run(capsys, "report", CONFIG, *base(tmp_path), "--plot", png,
+                       "--parts-list", "2,4,8", "--chunks-list", "2,8")
+    assert rc == 0, err
+    assert f"plot written to {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    image = imread(png)
+    assert image.shape[0] >= 300 and image.shape[1] >= 1000
+    assert png.stat().st_size > 20_000
+    assert not list(tmp_path.glob(".report.png.*"))  # no temporary left behind
+    rc, _, err = run(capsys, "report", CONFIG, *base(tmp_path), "--plot", png)
+    assert rc == 2 and "already exists" in err and err.count("\n") == 1
+
+
+def test_dump_plan_round_trips(capsys, tmp_path, report_json):
+    cfg, _ = report_json
+    out_dir = tmp_path / "plan"
+    rc, out, err = run(capsys, "report", CONFIG, *base(tmp_path), "--dump-plan", out_dir,
+                       "--parts-list", "2", "--chunks-list", "4", "--json")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert "plan written to" in err  # stdout stays one JSON document
+    graph = load_data(cfg)
+    with np.load(out_dir / "partition.npz", allow_pickle=False) as z:
+        part, chunk, perm = z["part"], z["chunk"], z["perm"]
+        chunk_ptr, m, n = z["chunk_ptr"], int(z["num_parts"]), int(z["num_chunks"])
+        assert str(z["method"]) == "range"
+    p = partition_graph(graph, 2, 4, method="range")
+    ref_part, ref_chunk = p.assignment()
+    assert (m, n) == (2, 4)
+    np.testing.assert_array_equal(part, ref_part)
+    np.testing.assert_array_equal(chunk, ref_chunk)
+    np.testing.assert_array_equal(perm, p.perm)
+    # the assignment alone rebuilds the renumbering: chunk (i, j) = one id range
+    flat = part * n + chunk
+    np.testing.assert_array_equal(np.argsort(flat, kind="stable"), perm)
+    np.testing.assert_array_equal(np.searchsorted(flat[perm], np.arange(m * n + 1)), chunk_ptr)
+    with np.load(out_dir / "plan.npz", allow_pickle=False) as z:
+        plan = TransferPlan.from_npz_dict(z)
+        assert str(z["order_name"]) == d["volumes"]["chosen"]
+    assert plan.order.shape == (4, 2)
+    g = p.apply(graph)
+    again = plan_transfers(g.indptr, g.indices, p.chunk_ptr, 2, 4, order=plan.order)
+    assert (again.v_ori, again.v_p2p, again.v_ru) == (plan.v_ori, plan.v_p2p, plan.v_ru)
+    if d["volumes"]["chosen"] == "identity":
+        np.testing.assert_array_equal(plan.order, identity_order(2, 4))
+    assert plan.h2d_rows == d["volumes"]["plan"]["h2d_rows"]
+    assert plan.plans[0].buffer_rows == d["memory"]["rows"][0]["buffer_rows"]
+    rc, _, err = run(capsys, "report", CONFIG, *base(tmp_path), "--dump-plan", out_dir)
+    assert rc == 2 and "not empty" in err and "--overwrite" in err
+    rc, _, err = run(capsys, "report", CONFIG, *base(tmp_path), "--dump-plan", out_dir,
+                     "--overwrite", "--parts-list", "2", "--chunks-list", "4")
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize("args,phrase", [
+    (["--parts-list", "2,x"], "--parts-list '2,x'"),
+    (["--chunks-list", "0"], "--chunks-list '0'"),
+    (["engine.chunks=2000"], "engine.chunks=2000"),
+])
+def test_report_user_errors_are_one_line(capsys, tmp_path, args, phrase):
+    rc, _, err = run(capsys, "report", CONFIG, *base(tmp_path), *args)
+    assert rc == 2 and phrase in err and err.count("\n") == 1, err
+
+
+# ------------------------------------------------------------ calibration
+def test_calibrate_on_cpu_writes_json_and_refuses_to_overwrite(capsys, tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "cal.json"
+    rc, text, err = run(capsys, "calibrate", "-o", out, "--size", "4")
+    assert rc == 0, err
+    assert "no CUDA device: measured the CPU equivalents" in text and "GB/s" in text
+    record = json.loads(out.read_text())
+    assert record["device"] == "cpu"
+    assert all(v > 0 for v in record["measurements"].values())
+    assert set(record["throughput"]) == {"host_to_device", "reuse", "contiguous"}
+    assert all(v > 0 for v in record["throughput"].values())
+    before = out.read_text()
+    rc, _, err = run(capsys, "calibrate", "-o", out, "--size", "4")
+    assert rc == 2 and "already exists" in err and "--overwrite" in err
+    assert out.read_text() == before
+    rc, _, err = run(capsys, "calibrate", "-o", out, "--size", "4", "--overwrite")
+    assert rc == 0, err
+
+
+def test_throughput_auto_reads_the_calibration_file(tmp_path):
+    cfg = load_config(CONFIG, base(tmp_path))
+    tp = resolve_throughput(cfg.engine)
+    assert (tp["host_to_device"], tp["device_to_device"], tp["reuse"]) == (21e9, 393e9, 2000e9)
+    assert set(tp["source"].values()) == {"default"}
+    cal = tmp_path / "cache" / "calibration.json"
+    cal.parent.mkdir(parents=True, exist_ok=True)
+    cal.write_text(json.dumps({"throughput": {"host_to_device": 50.0, "reuse": 900.0}}))
+    cfg = load_config(CONFIG, base(tmp_path, "engine.throughput.reuse=1000"))
+    tp = resolve_throughput(cfg.engine)
+    assert tp["host_to_device"] == 50e9 and tp["source"]["host_to_device"] == str(cal)
+    assert tp["reuse"] == 1000e9 and tp["source"]["reuse"] == "config"
+    assert tp["device_to_device"] == 393e9 and tp["source"]["device_to_device"] == "default"
+    d = build_report(cfg, parts_list=[], chunks_list=[]).data
+    assert d["throughput"]["host_to_device"] == 50.0
+    cal.write_text("{not json")
+    with pytest.raises(UserError, match="not a calibration record"):
+        resolve_throughput(cfg.engine)
+
+
+@pytest.mark.parametrize("value,phrase", [
+    ("0", "positive number of GB/s"), ("-3", "positive number of GB/s"),
+    (".inf", "positive number of GB/s"), ("fast", "expected one of auto or float"),
+    ("true", "expected one of auto or float"),
+])
+@pytest.mark.parametrize("key", ["host_to_device", "device_to_device", "reuse"])
+def test_throughput_config_is_validated(key, value, phrase):
+    with pytest.raises(UserError, match=phrase) as e:
+        load_config(None, [f"engine.throughput.{key}={value}"])
+    assert f"'engine.throughput.{key}'" in str(e.value)
+    cfg = load_config(None, [f"engine.throughput.{key}=12.5"])
+    assert getattr(cfg.engine.throughput, key) == 12.5
+    assert load_config(None).engine.throughput.reuse == "auto"
