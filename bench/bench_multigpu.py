@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -71,22 +72,32 @@ def main() -> int:
     ap.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--accelerator", default="cuda")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--deadline", type=float, default=1e9,
+                    help="seconds after which the remaining configurations are skipped")
     args = ap.parse_args()
     have = torch.cuda.device_count()
     topo = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True).stdout \
         if have else ""
     print(topo)
     results = {}
+    start = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         for d in [d for d in args.devices if d <= have or args.accelerator == "cpu"]:
-            for system in SYSTEMS:
+            for system in args.systems.split(","):
                 if system == "baseline" and d > 1:
                     results[f"{system}/{d}"] = {"status": "n/a: part-owned host memory"}
+                    continue
+                if time.time() - start > args.deadline:
+                    results[f"{system}/{d}"] = {"status": "skipped: deadline"}
                     continue
                 r = run(args, d, system, Path(tmp))
                 results[f"{system}/{d}"] = r
                 shown = f"{r['median_epoch_s']:.3f} s" if r["status"] == "ok" else r["status"]
-                print(f"{system:<10} {d} GPU(s): {shown}", flush=True)
+                print(f"{system:<10} {d} GPU(s): {shown} "
+                      f"({time.time() - start:.0f} s elapsed)", flush=True)
+                if r["status"] != "ok":
+                    print(r["stderr"], flush=True)
     base = results.get("+p2p+ru/1", {}).get("median_epoch_s")
     print(f"\n{'system':<10}{'GPUs':>6}{'epoch s':>10}{'speedup':>9}{'h2d GiB':>10}"
           f"{'d2d GiB':>10}{'d2h GiB':>10}")

@@ -253,9 +253,10 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     del full
     t["load_s"] = time.perf_counter() - t0
     m = e.devices if e.parts == "auto" else e.parts
-    if e.devices > 1:
-        notes.append(f"engine.devices={e.devices}: training runs on one device in this "
-                     f"version; the plan is made for {e.devices} devices, one part each")
+    if e.devices > 1 and m != e.devices:
+        notes.append(f"engine.devices={e.devices} trains one part per device: the plan is "
+                     f"made for engine.parts={e.devices}, not {m}")
+        m = e.devices
     widths, itemsize = model.widths(), 4
     cached = [bool(layer.cacheable and e.checkpoint == "auto") for layer in model.layers]
     needs_dst = [bool(layer.needs_dst) for layer in model.layers]
