@@ -24,14 +24,6 @@ from hongtu.config import format_size
 from hongtu.errors import UserError
 from hongtu.graph import Graph
 from hongtu.nn.model import GNN
-from hongtu.nn.ops import MASK_BLOCK
-
-try:  # only the tensor-op dropout fallback needs hash temporaries
-    import triton  # noqa: F401
-
-    _HAVE_TRITON = 1
-except ImportError:
-    _HAVE_TRITON = 0
 from hongtu.partition import chunk_partition
 from hongtu.partition._kernels import distinct_sources
 
@@ -42,9 +34,10 @@ CHUNK_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256,
                     768, 1024, 1536, 2048, 4096)
 _MASK_BYTES = 5  # dropout: the boolean mask and the masked copy's extra, per element
 # Fixed extras: cuSPARSE workspaces and allocator slack. (The dropout mask is
-# one Triton kernel on GPUs and a numba kernel on CPU: no int64 temporaries;
-# the tensor-op fallback hashes MASK_BLOCK elements at a time, ~48 B each.)
-_FIXED_EXTRA = (64 << 20) + MASK_BLOCK * 48 * (1 - _HAVE_TRITON)
+# one Triton kernel on GPUs and a numba kernel on CPU: no int64 temporaries.
+# Only the tensor-op fallback, on a GPU without Triton, hashes MASK_BLOCK
+# elements at a time, ~48 B each, about 200 MB more than this estimate.)
+_FIXED_EXTRA = 64 << 20
 _SLACK = 1.10
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hongtu.calibrate import resolve_throughput
 from hongtu.config import Config, format_size, parse_size
 from hongtu.engine.budget import (
     choose_chunks,
@@ -172,10 +173,12 @@ class Trainer:
         del graph
         self.graph = g
         t_plan = time.perf_counter()
+        tp = resolve_throughput(e)  # the same cost model hongtu report shows
         self.order, self.transfer_plan = plan_batches(
             g.indptr, g.indices, self.partition.chunk_ptr, parts, chunks,
             reuse=e.dedup.reuse, p2p=e.dedup.p2p, reorg=e.reorg, devices=world,
-            row_bytes=itemsize * max(self.model.widths()))
+            row_bytes=itemsize * max(self.model.widths()), t_hd=tp["host_to_device"],
+            t_dd=tp["device_to_device"], t_ru=tp["reuse"])
         self.plan_s = time.perf_counter() - t_plan
         self.estimate = estimate_device_bytes(
             self.model, sizes, itemsize, num_nodes=b - a,

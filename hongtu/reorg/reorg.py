@@ -316,11 +316,13 @@ def reorganize(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarray,
 
 def plan_batches(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarray,
                  num_parts: int, num_chunks: int, *, reuse: bool = True, p2p: bool = True,
-                 reorg: bool = True, devices: int = 1, row_bytes: int | None = None):
+                 reorg: bool = True, devices: int = 1, row_bytes: int | None = None,
+                 t_hd: float = T_HD, t_dd: float = T_DD, t_ru: float = T_RU):
     """Batch order (reorganised or identity) and the transfer plan that executes it.
 
     The one call the engine's setup makes: neighbour sets are computed once
-    and shared by the reorganizer and the planner.
+    and shared by the reorganizer and the planner. ``t_hd``, ``t_dd``,
+    ``t_ru`` are the cost model's throughputs in bytes/s (see :func:`cost`).
 
     Returns:
         ``(order, plan)``: the ``(n, m)`` batch order and its
@@ -331,7 +333,7 @@ def plan_batches(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarray,
     nb = neighbour_sets(indptr, indices, chunk_ptr)
     if reorg:
         order = reorganize(indptr, indices, chunk_ptr, num_parts, num_chunks, neighbours=nb,
-                           row_bytes=row_bytes)
+                           row_bytes=row_bytes, t_hd=t_hd, t_dd=t_dd, t_ru=t_ru)
     else:
         order = identity_order(num_parts, num_chunks)
     plan = plan_transfers(indptr, indices, chunk_ptr, num_parts, num_chunks, order=order,
