@@ -32,21 +32,13 @@ from pathlib import Path
 
 import numba
 import numpy as np
+from common import RESULTS, timed
 
 from hongtu.dedup import neighbour_sets, plan_transfers
 from hongtu.graph import Graph
 from hongtu.graph.generators import rmat_edges
 from hongtu.partition import partition_graph
 from hongtu.reorg import cost, reorganize_report
-
-RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def timed(fn, *args, **kwargs):
-    """``(result, seconds)`` of one call."""
-    t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - t0
 
 
 def warm_up() -> float:

@@ -25,10 +25,10 @@ import os
 import platform
 import resource
 import sys
-import time
 from pathlib import Path
 
 import numba
+from common import RESULTS, timed
 
 from hongtu.graph.generators import rmat_edges, rmat_graph
 
@@ -43,14 +43,6 @@ try:
 except ImportError:
     partition_stats = None
 
-RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def timed(fn, *args, **kwargs):
-    """``(result, seconds)`` of one call."""
-    t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - t0
 
 
 def peak_rss_gib() -> float:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from hongtu.graph._kernels import bucket_fill
 from hongtu.graph.graph import Graph, index_dtype
 
 __all__ = ["rmat_edges", "rmat_graph", "sbm_graph"]
@@ -171,16 +172,6 @@ def _sbm_kernel(key, t_intra, labels, class_ptr, members, src, dst):
         dst[e] = u if size == 0 else members[class_ptr[c] + _below(h2 & _LO32, size)]
 
 
-@njit(cache=True)
-def _scatter_by_dst(src, dst, indptr, out):
-    # Serial: a parallel scatter would need atomics; the order is fixed by the sort that follows.
-    pos = indptr[:-1].copy()
-    for e in range(src.shape[0]):
-        d = dst[e]
-        out[pos[d]] = src[e]
-        pos[d] += 1
-
-
 @njit(parallel=True, cache=True)
 def _sort_segments(indptr, indices, dedup, keep):
     for v in prange(indptr.shape[0] - 1):
@@ -215,7 +206,7 @@ def _csc(src: np.ndarray, dst: np.ndarray, n: int, dedup: bool) -> tuple[np.ndar
     indptr = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(counts, out=indptr[1:])
     indices = np.empty(src.shape[0], dtype=index_dtype(n))
-    _scatter_by_dst(src, dst, indptr, indices)
+    bucket_fill(src, dst, indptr, indices)
     keep = np.empty(n, dtype=np.int64)
     _sort_segments(indptr, indices, dedup, keep)
     if not dedup:
