@@ -122,7 +122,7 @@ class Trainer:
         world, rank = (self.comm.world, self.comm.rank) if self.comm else (1, 0)
         self.rank, self.world = rank, world
         if rank != 0:
-            self.out = out = _silent  # one voice: rank 0 reports for all
+            self.out = _silent  # one voice: rank 0 reports for all
         t0 = time.perf_counter()
         graph = load_data(cfg)
         self.num_classes = graph.num_classes

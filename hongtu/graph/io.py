@@ -36,7 +36,6 @@ the file, what is wrong and how to fix it. Nothing is ever written.
 from __future__ import annotations
 
 import os
-import re
 import struct
 import warnings
 import zipfile
@@ -132,7 +131,9 @@ def _load_file(p: Path, num_features: int, seed: int) -> Graph:
         elif p.suffix.lower() == ".npz":
             arrays = _read_npz(p, where)
         elif p.suffix.lower() in (".pt", ".pth"):
-            arrays = _read_torch(p, where)
+            from hongtu.graph.torch_io import read_torch
+
+            arrays = read_torch(p, where)
         elif p.suffix.lower() == ".npy":
             raise UserError(f"graph file {where}: a single .npy array is not a graph; put "
                             f"{', '.join(k + '.npy' for k in _KEYS)} in a directory and pass "
@@ -205,115 +206,6 @@ def _read_npy_dir(p: Path, where: str) -> dict[str, np.ndarray]:
 
 # The classes a torch_geometric ``Data`` object pickles to (2.4 and later; older
 # releases use a subset). With torch's own tensor types, nothing else is unpickled.
-_PYG_CLASSES = ("torch_geometric.data.data:Data", "torch_geometric.data.data:DataEdgeAttr",
-                "torch_geometric.data.data:DataTensorAttr",
-                "torch_geometric.data.storage:GlobalStorage")
-_TORCH_HINT = ("save a torch_geometric Data object or a dict of tensors with torch.save, or "
-               "convert the graph to .npz with np.savez(path, edge_index=..., x=..., ...)")
-
-
-def _read_torch(p: Path, where: str) -> dict:
-    """A PyG ``Data`` (or a dict of tensors) saved with ``torch.save``, as numpy arrays."""
-    obj, refused = _torch_load(p, where, [])
-    data_cls = None
-    if refused is not None and refused.startswith("torch_geometric."):
-        classes = _pyg_classes()
-        if classes is None:
-            raise UserError(f"graph file {where}: holds a torch_geometric object ({refused}) "
-                            "but torch_geometric is not installed; pip install torch_geometric, "
-                            "or convert the graph to .npz with np.savez(path, edge_index=..., "
-                            "x=..., ...)")
-        data_cls = classes[0]
-        obj, refused = _torch_load(p, where, classes)
-    if refused is not None and refused.startswith("numpy."):
-        raise UserError(f"graph file {where}: holds numpy arrays ({refused}), which hongtu does "
-                        "not unpickle; torch.save tensors (torch.from_numpy(a)) instead, or "
-                        "save the arrays with np.savez(path, edge_index=..., x=..., ...)")
-    if refused is not None:
-        raise UserError(f"graph file {where}: needs the Python global '{refused}' to unpickle, "
-                        "which is not on hongtu's allow-list (only a torch_geometric Data or a "
-                        f"dict of tensors is read); {_TORCH_HINT}")
-    if data_cls is not None and isinstance(obj, data_cls):
-        mapping = obj.to_dict()
-    elif isinstance(obj, dict):
-        mapping = obj
-    else:
-        raise UserError(f"graph file {where}: holds a {type(obj).__name__}, not a graph; "
-                        f"{_TORCH_HINT}")
-    present = [str(k) for k in mapping]
-    _require_edge_index(where, present, "'edge_index'", "keys")
-    arrays: dict = {key: _tensor_array(where, key, mapping[key])
-                    for key in _KEYS if key in mapping}
-    num_nodes = mapping.get("num_nodes")
-    if isinstance(num_nodes, int) and not isinstance(num_nodes, bool):
-        arrays["num_nodes"] = num_nodes
-    return arrays
-
-
-def _torch_load(p: Path, where: str, classes: list) -> tuple[object, str | None]:
-    """``torch.load(weights_only=True)`` allowing ``classes``; ``(obj, None)`` or
-    ``(None, refused_global)`` when the file holds a class that is not allowed."""
-    import pickle
-
-    import torch
-
-    try:
-        with torch.serialization.safe_globals(classes):
-            return torch.load(p, map_location="cpu", weights_only=True), None
-    except pickle.UnpicklingError as exc:
-        text = str(exc)
-        m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
-        if m:
-            return None, m.group(1)
-        detail = text.split("WeightsUnpickler error:", 1)[-1].split("\n\n", 1)[0]
-        raise UserError(f"graph file {where}: not a torch file hongtu can load safely "
-                        f"({_short(ValueError(detail))}); {_TORCH_HINT}") from exc
-    except (*_READ_ERRORS, AttributeError, ImportError) as exc:
-        # torch reports a foreign or empty file as a bare KeyError / EOFError.
-        why = ("unrecognised format" if isinstance(exc, KeyError)
-               else "file ends early" if isinstance(exc, EOFError)
-               else _short(ValueError(str(exc).split(". ", 1)[0])))  # miniz adds a paragraph
-        raise UserError(f"graph file {where}: not a valid torch.save file, or corrupt or "
-                        f"truncated ({why}); {_TORCH_HINT}") from exc
-
-
-def _pyg_classes() -> list | None:
-    """The allow-listed PyG classes (``Data`` first), or ``None`` without torch_geometric."""
-    import importlib
-
-    classes = []
-    for name in _PYG_CLASSES:
-        module, attr = name.split(":")
-        try:
-            cls = getattr(importlib.import_module(module), attr, None)
-        except ImportError:
-            return None
-        if cls is not None:
-            classes.append(cls)
-        elif attr == "Data":  # not a torch_geometric this code understands
-            return None
-    return classes
-
-
-def _tensor_array(where: str, key: str, value: object) -> np.ndarray:
-    import torch
-
-    if not isinstance(value, torch.Tensor):
-        raise UserError(f"graph file {where}: '{key}' is a {type(value).__name__}, expected a "
-                        "tensor; store it as a torch.Tensor")
-    if value.layout != torch.strided:
-        raise UserError(f"graph file {where}: '{key}' is a sparse tensor ({value.layout}); "
-                        "store it dense (edge_index as a 2 x E integer tensor)")
-    value = value.detach()
-    if value.dtype == torch.bfloat16:
-        value = value.float()
-    try:
-        return value.numpy()
-    except (TypeError, RuntimeError) as exc:
-        raise UserError(f"graph file {where}: '{key}' has dtype {value.dtype}, which numpy "
-                        f"cannot hold ({_short(exc)}); convert it to float32 or int64") from exc
-
-
 def _require_edge_index(where: str, present: list[str], name: str, what: str) -> None:
     if name.strip("'") not in present:
         found = ", ".join(present) or "none"
