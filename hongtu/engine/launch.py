@@ -61,7 +61,10 @@ def launch(argv: list[str], devices: int) -> int:
                           run_id=uuid.uuid4().hex, rdzv_backend="c10d",
                           rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
                           monitor_interval=0.2, start_method="spawn")
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // devices)))
+    # The ranks share this machine's cores: give each its share (torch and numba).
+    share = str(max(1, (os.cpu_count() or 1) // devices))
+    os.environ.setdefault("OMP_NUM_THREADS", share)
+    os.environ.setdefault("NUMBA_NUM_THREADS", share)
     try:
         elastic_launch(config, _worker)(argv)
     except ChildFailedError as e:

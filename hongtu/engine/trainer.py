@@ -333,6 +333,7 @@ class Trainer:
         self._check_finite(epoch, res.loss)
         self.optimizer.step()
         acc = ex.evaluate(epoch, progress=tick) if evaluate else None
+        ex.mover.settle()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             peak, measured = torch.cuda.max_memory_allocated(self.device), True

@@ -17,6 +17,7 @@ handed out as views; the batch loop does not allocate host memory.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, fields
 
@@ -76,9 +77,9 @@ class Mover:
         dtype: element type of the buffers.
         stage_rows: rows of the pinned host staging area (the most rows one
             load or flush moves); default the largest slot.
-        timed: synchronise around transfers to attribute time to them (the
-            executor does not overlap transfers with compute yet, so this
-            costs nothing it would otherwise gain).
+        timed: attribute time to transfers. On a GPU each transfer is
+            bracketed by CUDA events (no synchronisation in the batch loop);
+            :meth:`settle` reads them once per epoch.
     """
 
     def __init__(self, device: torch.device, slots: dict[str, int], max_width: int,
@@ -94,6 +95,7 @@ class Mover:
         stage = max(max(sizes.values()), int(stage_rows) * int(max_width))
         self._stage = torch.empty(stage, dtype=dtype, pin_memory=True) if self.cuda else None
         self._views: dict[int, Tensor] = {}
+        self._events: list = []
         self.itemsize = torch.empty((), dtype=dtype).element_size()
 
     def _slot(self, slot: str, rows: int, width: int) -> Tensor:
@@ -110,10 +112,30 @@ class Mover:
         """Bytes of the staging slots on the device."""
         return sum(t.numel() for t in self._dev.values()) * self.itemsize
 
-    def _clock(self) -> float:
-        if self.timed and self.cuda:
+    @contextlib.contextmanager
+    def _timing(self, field: str):
+        """Add the time of the enclosed work to ``traffic.<field>``."""
+        if not self.timed:
+            yield
+        elif self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((field, start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            setattr(self.traffic, field, getattr(self.traffic, field) + time.perf_counter() - t0)
+
+    def settle(self) -> None:
+        """Wait for the device and fold the recorded event times into ``traffic``."""
+        if self._events:
             torch.cuda.current_stream(self.device).synchronize()
-        return time.perf_counter()
+            for field, start, end in self._events:
+                setattr(self.traffic, field,
+                        getattr(self.traffic, field) + start.elapsed_time(end) / 1000.0)
+            self._events.clear()
 
     # ----------------------------------------------------------- host -> dev
     def load_rows_into(self, host: Tensor, ids: Tensor, slots: Tensor, buf: Tensor) -> None:
@@ -124,49 +146,45 @@ class Mover:
         rows, width = int(ids.shape[0]), int(host.shape[1])
         if rows == 0:
             return
-        t0 = self._clock()
-        view = self._view(host) if self.cuda else host
-        if view is not None:
-            buf.index_copy_(0, slots, view.index_select(0, ids))
-        else:  # unpinned host memory: gather on the CPU, then one copy
-            stage = self._stage[: rows * width].view(rows, width)
-            torch.index_select(host, 0, ids.cpu(), out=stage)
-            buf.index_copy_(0, slots, stage.to(self.device, non_blocking=True))
-            torch.cuda.current_stream(self.device).synchronize()
+        with self._timing("time_h2d_s"):
+            view = self._view(host) if self.cuda else host
+            if view is not None:
+                buf.index_copy_(0, slots, view.index_select(0, ids))
+            else:  # unpinned host memory: gather on the CPU, then one copy
+                stage = self._stage[: rows * width].view(rows, width)
+                torch.index_select(host, 0, ids.cpu(), out=stage)
+                buf.index_copy_(0, slots, stage.to(self.device, non_blocking=True))
+                torch.cuda.current_stream(self.device).synchronize()
         self.traffic.h2d_rows += rows
         self.traffic.h2d_bytes += rows * width * self.itemsize
-        self.traffic.time_h2d_s += self._clock() - t0
 
     def load_range(self, host: Tensor, start: int, stop: int, slot: str = "dst") -> Tensor:
         """``host[start:stop]`` on the device (one contiguous copy)."""
-        t0 = self._clock()
         rows, width = stop - start, int(host.shape[1])
         out = self._slot(slot, rows, width)
-        out.copy_(host[start:stop], non_blocking=True)
+        with self._timing("time_h2d_s"):
+            out.copy_(host[start:stop], non_blocking=True)
         self.traffic.h2d_rows += rows
         self.traffic.h2d_bytes += rows * width * self.itemsize
-        self.traffic.time_h2d_s += self._clock() - t0
         return out
 
     # ----------------------------------------------------------- dev -> host
     def store_range(self, host: Tensor, start: int, value: Tensor) -> None:
         """``host[start:start+len(value)] = value``."""
-        t0 = self._clock()
         rows = int(value.shape[0])
-        host[start:start + rows].copy_(value.detach(), non_blocking=True)
+        with self._timing("time_d2h_s"):
+            host[start:start + rows].copy_(value.detach(), non_blocking=True)
         self.traffic.d2h_rows += rows
         self.traffic.d2h_bytes += value.numel() * self.itemsize
-        self.traffic.time_d2h_s += self._clock() - t0
 
     def exchange(self, comm, out: Tensor, out_counts: list[int], inp: Tensor,
                  in_counts: list[int]) -> None:
         """Device-to-device rows between ranks (all-to-all), counted as d2d."""
-        t0 = self._clock()
-        comm.exchange(out, out_counts, inp, in_counts)
+        with self._timing("time_d2d_s"):
+            comm.exchange(out, out_counts, inp, in_counts)
         rows = int(inp.shape[0])
         self.traffic.d2d_rows += rows
         self.traffic.d2d_bytes += inp.numel() * self.itemsize
-        self.traffic.time_d2d_s += self._clock() - t0
 
     def _to_host(self, value: Tensor) -> np.ndarray:
         value = value.detach()
@@ -179,12 +197,12 @@ class Mover:
 
     def add_range(self, host: Tensor, start: int, value: Tensor) -> None:
         """``host[start:start+len(value)] += value``."""
-        t0 = self._clock()
-        vals = self._to_host(value)
-        t1 = time.perf_counter()
-        rows = host[start:start + vals.shape[0]].numpy()
-        np.add(rows, vals.reshape(rows.shape), out=rows)
-        self._count_flush(value, t0, t1)
+        with self._timing("time_d2h_s"):
+            vals = self._to_host(value)
+        with self._cpu_timing():
+            rows = host[start:start + vals.shape[0]].numpy()
+            np.add(rows, vals.reshape(rows.shape), out=rows)
+        self._count_flush(value)
 
     def flush_rows(self, host: Tensor, ids: np.ndarray, slots: Tensor, buf: Tensor) -> None:
         """``host[ids] += buf[slots]``: gradients of rows leaving the device buffer.
@@ -193,16 +211,19 @@ class Mover:
         """
         if ids.shape[0] == 0:
             return
-        t0 = self._clock()
-        value = buf.index_select(0, slots)
-        vals = self._to_host(value)
-        t1 = time.perf_counter()
-        _scatter_add_rows(host.numpy(), ids, vals.reshape(vals.shape[0], -1))
-        self._count_flush(value, t0, t1)
+        with self._timing("time_d2h_s"):
+            value = buf.index_select(0, slots)
+            vals = self._to_host(value)
+        with self._cpu_timing():
+            _scatter_add_rows(host.numpy(), ids, vals.reshape(vals.shape[0], -1))
+        self._count_flush(value)
 
-    def _count_flush(self, value: Tensor, t0: float, t1: float) -> None:
-        t2 = time.perf_counter()
+    @contextlib.contextmanager
+    def _cpu_timing(self):
+        t0 = time.perf_counter()
+        yield
+        self.traffic.time_cpu_s += time.perf_counter() - t0
+
+    def _count_flush(self, value: Tensor) -> None:
         self.traffic.d2h_rows += int(value.shape[0])
         self.traffic.d2h_bytes += value.numel() * self.itemsize
-        self.traffic.time_d2h_s += t1 - t0
-        self.traffic.time_cpu_s += t2 - t1
