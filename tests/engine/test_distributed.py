@@ -24,8 +24,11 @@ from tests.engine.test_oracle import (
 )
 
 ON = {"reuse": True, "p2p": True, "reorg": True}
-LAYER_JOBS = [dict(case="skewed", layer=layer, chunks=2, checkpoint="auto", flags=ON)
-              for layer in LAYERS]
+OFF = {"reuse": False, "p2p": True, "reorg": False}  # p2p is how rows reach other ranks
+LAYER_JOBS = [dict(case="skewed", layer=layer, chunks=2, checkpoint="auto", flags=flags)
+              for flags in (ON, OFF) for layer in LAYERS]
+LAYER_IDS = [f"{layer}-{'dedup' if f is ON else 'no-reuse-no-reorg'}"
+             for f in (ON, OFF) for layer in LAYERS]
 FLAG_JOBS = [dict(case="skewed", layer="sage", chunks=3, checkpoint=ck, flags=flags)
              for ck in ("auto", "recompute")
              for flags in ({"reuse": False, "p2p": True, "reorg": False}, ON)]
@@ -67,12 +70,12 @@ def check_job(ranks: list[dict], job: dict, world: int) -> None:
         assert_matches(model, r["loss"], ref_loss, ref_grads)
 
 
-@pytest.mark.parametrize("k", range(len(LAYER_JOBS)), ids=LAYERS)
+@pytest.mark.parametrize("k", range(len(LAYER_JOBS)), ids=LAYER_IDS)
 def test_two_ranks_match_one_process_and_the_reference(two, k):
     check_job(two[k], LAYER_JOBS[k], 2)
 
 
-@pytest.mark.parametrize("k", range(len(LAYER_JOBS)), ids=LAYERS)
+@pytest.mark.parametrize("k", range(len(LAYER_JOBS)), ids=LAYER_IDS)
 def test_four_ranks_match_one_process_and_the_reference(four, k):
     check_job(four[k], LAYER_JOBS[k], 4)
 
