@@ -279,6 +279,7 @@ class Executor:
                 if need_in:
                     self._exchange_back(s, gbuf)
                     mv.flush_rows(buf.grad[l], *plan.flush(s), gbuf)
+            mv.drain()  # ∇h^l complete in host memory before layer l-1 reads it
         if self.comm is not None:
             self.comm.all_reduce_grads(self.model.parameters())
 

@@ -93,7 +93,13 @@ class Mover:
         self._dev = {s: torch.empty(n, dtype=dtype, device=device) for s, n in sizes.items()}
         # Pinned staging for gradient flushes: DMA to it, then add on the CPU.
         stage = max(max(sizes.values()), int(stage_rows) * int(max_width))
-        self._stage = torch.empty(stage, dtype=dtype, pin_memory=True) if self.cuda else None
+        # Two pinned staging areas: a flush is copied into one while the CPU
+        # adds the previous flush (from the other) into host memory.
+        self._stages = ([torch.empty(stage, dtype=dtype, pin_memory=True) for _ in range(2)]
+                        if self.cuda else None)
+        self._stage = self._stages[0] if self.cuda else None
+        self._flip = 0
+        self._pending: tuple | None = None
         self._views: dict[int, Tensor] = {}
         self._events: list = []
         self.itemsize = torch.empty((), dtype=dtype).element_size()
@@ -129,7 +135,8 @@ class Mover:
             setattr(self.traffic, field, getattr(self.traffic, field) + time.perf_counter() - t0)
 
     def settle(self) -> None:
-        """Wait for the device and fold the recorded event times into ``traffic``."""
+        """Finish pending flushes, wait for the device, fold event times into ``traffic``."""
+        self.drain()
         if self._events:
             torch.cuda.current_stream(self.device).synchronize()
             for field, start, end in self._events:
@@ -186,23 +193,9 @@ class Mover:
         self.traffic.d2d_rows += rows
         self.traffic.d2d_bytes += inp.numel() * self.itemsize
 
-    def _to_host(self, value: Tensor) -> np.ndarray:
-        value = value.detach()
-        if not self.cuda:
-            return value.contiguous().numpy()
-        stage = self._stage[: value.numel()].view(value.shape)
-        stage.copy_(value, non_blocking=True)
-        torch.cuda.current_stream(self.device).synchronize()  # the CPU reads it next
-        return stage.numpy()
-
     def add_range(self, host: Tensor, start: int, value: Tensor) -> None:
         """``host[start:start+len(value)] += value``."""
-        with self._timing("time_d2h_s"):
-            vals = self._to_host(value)
-        with self._cpu_timing():
-            rows = host[start:start + vals.shape[0]].numpy()
-            np.add(rows, vals.reshape(rows.shape), out=rows)
-        self._count_flush(value)
+        self._flush(host, start, value.detach())
 
     def flush_rows(self, host: Tensor, ids: np.ndarray, slots: Tensor, buf: Tensor) -> None:
         """``host[ids] += buf[slots]``: gradients of rows leaving the device buffer.
@@ -213,17 +206,48 @@ class Mover:
             return
         with self._timing("time_d2h_s"):
             value = buf.index_select(0, slots)
-            vals = self._to_host(value)
+        self._flush(host, ids, value)
+
+    def _flush(self, host: Tensor, where, value: Tensor) -> None:
+        """Add ``value`` into host rows ``where`` (an id array, or a start row).
+
+        On a GPU the rows are copied to pinned staging asynchronously and added
+        on the CPU at the *next* flush (or :meth:`drain`), so the CPU's work
+        overlaps the GPU's; on CPU they are added at once.
+        """
+        self.traffic.d2h_rows += int(value.shape[0])
+        self.traffic.d2h_bytes += value.numel() * self.itemsize
+        if not self.cuda:
+            self._add(host, where, value.contiguous().numpy())
+            return
+        stage = self._stages[self._flip][: value.numel()].view(value.shape)
+        with self._timing("time_d2h_s"):
+            stage.copy_(value, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self.drain()
+        self._pending = (host, where, stage, done)
+        self._flip ^= 1
+
+    def drain(self) -> None:
+        """Finish the pending flush: wait for its copy, add it into host memory."""
+        if self._pending is None:
+            return
+        host, where, stage, done = self._pending
+        self._pending = None
+        done.synchronize()
+        self._add(host, where, stage.numpy())
+
+    def _add(self, host: Tensor, where, vals: np.ndarray) -> None:
         with self._cpu_timing():
-            _scatter_add_rows(host.numpy(), ids, vals.reshape(vals.shape[0], -1))
-        self._count_flush(value)
+            if isinstance(where, np.ndarray):
+                _scatter_add_rows(host.numpy(), where, vals.reshape(vals.shape[0], -1))
+            else:
+                rows = host[where:where + vals.shape[0]].numpy()
+                np.add(rows, vals.reshape(rows.shape), out=rows)
 
     @contextlib.contextmanager
     def _cpu_timing(self):
         t0 = time.perf_counter()
         yield
         self.traffic.time_cpu_s += time.perf_counter() - t0
-
-    def _count_flush(self, value: Tensor) -> None:
-        self.traffic.d2h_rows += int(value.shape[0])
-        self.traffic.d2h_bytes += value.numel() * self.itemsize
