@@ -258,7 +258,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
                      f"made for engine.parts={e.devices}, not {m}")
         m = e.devices
     widths, itemsize = model.widths(), 4
-    cached = [bool(layer.cacheable and e.checkpoint == "auto") for layer in model.layers]
+    cached = model.cached_layers(e.checkpoint)
     needs_dst = [bool(layer.needs_dst) for layer in model.layers]
     passes = [1 + (not cached[l]) + (l > 0) for l in range(len(cached))]
     tp = resolve_throughput(e)

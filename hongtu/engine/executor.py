@@ -128,7 +128,7 @@ class Executor:
         self.buf = buffers
         self.device = device
         self.seed = seed
-        self.cached = [bool(layer.cacheable and checkpoint == "auto") for layer in model.layers]
+        self.cached = model.cached_layers(checkpoint)
         self.dtype = buffers.h[1].dtype
         widths = model.widths()
         self.comm = comm

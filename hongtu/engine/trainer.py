@@ -190,7 +190,7 @@ class Trainer:
                             "engine.chunks or raise engine.device_memory")
         self.chunks = ChunkSet.build(g, self.partition.chunk_ptr, parts, chunks, dtype,
                                      part=rank if world > 1 else None)
-        cached = [bool(layer.cacheable and e.checkpoint == "auto") for layer in self.model.layers]
+        cached = self.model.cached_layers(e.checkpoint)
         plan = BufferPlan(b - a, self.model.widths(), cached, itemsize)
         self.out(self._plan_text(plan, parts, chunks))
         buffers = HostBuffers(plan, g.x if world == 1 else x_own,

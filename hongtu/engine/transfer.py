@@ -91,13 +91,11 @@ class Mover:
         self.timed = timed
         sizes = {s: max(int(rows) * int(max_width), 1) for s, rows in slots.items()}
         self._dev = {s: torch.empty(n, dtype=dtype, device=device) for s, n in sizes.items()}
-        # Pinned staging for gradient flushes: DMA to it, then add on the CPU.
+        # Two pinned staging areas for gradient flushes: one receives a flush by
+        # DMA while the CPU adds the previous one (from the other) into host memory.
         stage = max(max(sizes.values()), int(stage_rows) * int(max_width))
-        # Two pinned staging areas: a flush is copied into one while the CPU
-        # adds the previous flush (from the other) into host memory.
         self._stages = ([torch.empty(stage, dtype=dtype, pin_memory=True) for _ in range(2)]
                         if self.cuda else None)
-        self._stage = self._stages[0] if self.cuda else None
         self._flip = 0
         self._pending: tuple | None = None
         self._views: dict[int, Tensor] = {}
@@ -113,10 +111,6 @@ class Mover:
         if key not in self._views:
             self._views[key] = device_view(host, self.device) if host.is_pinned() else None
         return self._views[key]
-
-    def device_bytes(self) -> int:
-        """Bytes of the staging slots on the device."""
-        return sum(t.numel() for t in self._dev.values()) * self.itemsize
 
     @contextlib.contextmanager
     def _timing(self, field: str):
@@ -158,7 +152,8 @@ class Mover:
             if view is not None:
                 buf.index_copy_(0, slots, view.index_select(0, ids))
             else:  # unpinned host memory: gather on the CPU, then one copy
-                stage = self._stage[: rows * width].view(rows, width)
+                self.drain()  # the staging areas may still hold a flush
+                stage = self._stages[0][: rows * width].view(rows, width)
                 torch.index_select(host, 0, ids.cpu(), out=stage)
                 buf.index_copy_(0, slots, stage.to(self.device, non_blocking=True))
                 torch.cuda.current_stream(self.device).synchronize()

@@ -60,6 +60,14 @@ class GNN(nn.Module):
     def num_layers(self) -> int:
         return len(self.layers)
 
+    def cached_layers(self, checkpoint: str = "auto") -> list[bool]:
+        """Which layers keep their aggregate in host memory under ``engine.checkpoint``.
+
+        ``auto`` (the recomputation-caching hybrid) caches every cacheable
+        layer; ``recompute`` caches none.
+        """
+        return [bool(layer.cacheable and checkpoint == "auto") for layer in self.layers]
+
     def widths(self) -> list[int]:
         """Row width of ``h^0 .. h^L``."""
         return [self.layers[0].in_channels] + [layer.out_width for layer in self.layers]

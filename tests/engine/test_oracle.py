@@ -48,7 +48,7 @@ def chunked_step(model: GNN, graph, parts: int, chunks: int, checkpoint: str, ep
     p = chunk_partition(graph, assignment, chunks, num_parts=parts)
     g = p.apply(graph)
     cs = ChunkSet.build(g, p.chunk_ptr, parts, chunks)
-    cached = [layer.cacheable and checkpoint == "auto" for layer in model.layers]
+    cached = model.cached_layers(checkpoint)
     dev = torch.device(device)
     buf = HostBuffers(BufferPlan(g.num_nodes, model.widths(), cached), g.x,
                       pin=dev.type == "cuda")
