@@ -15,6 +15,8 @@ import types
 import numba
 import numpy as np
 
+from hongtu.partition._kernels import count_unique_groups
+
 __all__ = ["parallel_kernel", "count_unique", "fill_unique", "merge_sorted", "intersect_counts",
            "assign_slots", "lookup_slots", "gather_segments"]
 
@@ -46,26 +48,8 @@ class parallel_kernel:
         return (self.parallel if work >= SERIAL_BELOW else self.serial)(*args)
 
 
-@parallel_kernel
-def count_unique(values, gptr, seg_start, seg_stop, num_nodes, workers, counts):
-    """``counts[g]`` = number of distinct values in the segments of group ``g``.
-
-    Group ``g`` is the union of segments ``gptr[g]:gptr[g+1]``. One stamp
-    array per worker (stamp = group id) finds repeats without any reset;
-    groups are dealt to workers round-robin. Needs ``num_groups < 2**31``.
-    """
-    num_groups = gptr.shape[0] - 1
-    for w in numba.prange(workers):
-        mark = np.full(num_nodes, -1, dtype=np.int32)
-        for g in range(w, num_groups, workers):
-            c = 0
-            for s in range(gptr[g], gptr[g + 1]):
-                for e in range(seg_start[s], seg_stop[s]):
-                    u = values[e]
-                    if mark[u] != g:
-                        mark[u] = g
-                        c += 1
-            counts[g] = c
+#: the partitioner's distinct-count kernel, also in a serial twin for small inputs
+count_unique = parallel_kernel(count_unique_groups)
 
 
 @parallel_kernel

@@ -106,24 +106,30 @@ def symmetric_csr(indptr: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, 
     return xadj, adjncy
 
 
-@numba.njit(parallel=True, cache=True)
-def _distinct_sources(indptr, indices, perm, bounds, num_groups, out):
-    n = indptr.shape[0] - 1
-    num_ranges = bounds.shape[0] - 1
-    for g in numba.prange(num_groups):
-        # One stamp array per group: stamping with the range id makes a reset
-        # between ranges unnecessary.
-        mark = np.full(n, -1, dtype=np.int32)
-        for r in range(g, num_ranges, num_groups):
-            cnt = 0
-            for k in range(bounds[r], bounds[r + 1]):
-                v = perm[k]
-                for e in range(indptr[v], indptr[v + 1]):
-                    u = indices[e]
-                    if mark[u] != r:
-                        mark[u] = r
-                        cnt += 1
-            out[r] = cnt
+def count_unique_groups(values, gptr, seg_start, seg_stop, num_nodes, workers, counts):
+    """``counts[g]`` = number of distinct values in the segments of group ``g``.
+
+    Group ``g`` is the union of segments ``values[seg_start[s]:seg_stop[s]]``
+    for ``s`` in ``gptr[g]:gptr[g+1]``. One stamp array per worker (stamp =
+    group id) finds repeats without any reset; groups are dealt to workers
+    round-robin. Needs ``num_groups < 2**31``. Plain Python here: compiled
+    below for the partitioner and by :mod:`hongtu.dedup` for the planner.
+    """
+    num_groups = gptr.shape[0] - 1
+    for w in numba.prange(workers):
+        mark = np.full(num_nodes, -1, dtype=np.int32)
+        for g in range(w, num_groups, workers):
+            c = 0
+            for s in range(gptr[g], gptr[g + 1]):
+                for e in range(seg_start[s], seg_stop[s]):
+                    u = values[e]
+                    if mark[u] != g:
+                        mark[u] = g
+                        c += 1
+            counts[g] = c
+
+
+_count_unique = numba.njit(parallel=True, cache=True)(count_unique_groups)
 
 
 def distinct_sources(indptr: np.ndarray, indices: np.ndarray, perm: np.ndarray,
@@ -146,10 +152,12 @@ def distinct_sources(indptr: np.ndarray, indices: np.ndarray, perm: np.ndarray,
     out = np.zeros(num_ranges, dtype=np.int64)
     if num_ranges == 0:
         return out
-    groups = max(1, min(num_ranges, numba.get_num_threads()))
-    _distinct_sources(np.ascontiguousarray(indptr, dtype=np.int64), np.ascontiguousarray(indices),
-                      np.ascontiguousarray(perm, dtype=np.int64),
-                      np.ascontiguousarray(bounds, dtype=np.int64), groups, out)
+    workers = max(1, min(num_ranges, numba.get_num_threads()))
+    indptr = np.ascontiguousarray(indptr, dtype=np.int64)
+    perm = np.ascontiguousarray(perm, dtype=np.int64)
+    # Range r is the union of the in-edge segments of its vertices, in perm order.
+    _count_unique(np.ascontiguousarray(indices), np.ascontiguousarray(bounds, dtype=np.int64),
+                  indptr[perm], indptr[perm + 1], indptr.shape[0] - 1, workers, out)
     return out
 
 
