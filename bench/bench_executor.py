@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from common import device_name, file_tag, pyg_run
 
 from hongtu.config import config_from_dict, format_size
 from hongtu.engine.budget import chunk_sizes, estimate_device_bytes
@@ -34,17 +34,11 @@ from hongtu.graph.datasets import load_builtin
 from hongtu.graph.transforms import add_self_loops
 from hongtu.nn.model import build_model
 
-
-def device_name() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    return f"cpu-{platform.node()}"
-
-
 #: hongtu configurations compared in one run (the paper's single-GPU ablation)
 SYSTEMS = {
     "hongtu": {"dedup": {"reuse": True, "p2p": True}, "reorg": True},
     "baseline": {"dedup": {"reuse": False, "p2p": False}, "reorg": False},
+    "serial": {"dedup": {"reuse": True, "p2p": True}, "reorg": True, "overlap": False},
 }
 
 
@@ -99,56 +93,6 @@ def hongtu_run(args, budget: int | None, chunks, system: str = "hongtu") -> dict
     }
 
 
-def pyg_run(graph, args, device) -> dict:
-    """Same model in memory with PyG's GCNConv on a normalised torch CSR adjacency."""
-    try:
-        from torch_geometric.nn import GCNConv
-    except ImportError:
-        return {"status": "torch_geometric not installed"}
-    n = graph.num_nodes
-    try:
-        deg = torch.from_numpy(graph.in_degree()).double().clamp(min=1)
-        col = torch.from_numpy(graph.indices.astype(np.int64))
-        row = torch.repeat_interleave(torch.arange(n), torch.from_numpy(graph.in_degree()))
-        w = (deg[col].rsqrt() * deg[row].rsqrt()).float()
-        # adj_t[dst, src] = w: rows are destinations, the CSR we already have.
-        adj_t = torch.sparse_csr_tensor(torch.from_numpy(graph.indptr), col, w,
-                                        size=(n, n)).to(device)
-        x = torch.from_numpy(np.asarray(graph.x)).to(device)
-        y = torch.from_numpy(np.asarray(graph.y)).to(device)
-        mask = torch.from_numpy(graph.train_mask).to(device)
-        dims = [graph.num_features] + [args.hidden] * (args.layers - 1) + [int(graph.y.max()) + 1]
-        convs = torch.nn.ModuleList(GCNConv(a, b, normalize=False)
-                                    for a, b in zip(dims[:-1], dims[1:])).to(device)
-        opt = torch.optim.Adam(convs.parameters(), lr=0.01)
-        times = []
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        for _ in range(args.epochs):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            h = x
-            for i, conv in enumerate(convs):
-                h = torch.nn.functional.dropout(h, 0.5, training=True)
-                h = conv(h, adj_t)
-                if i < len(convs) - 1:
-                    h = h.relu()
-            loss = torch.nn.functional.cross_entropy(h[mask], y[mask])
-            loss.backward()
-            opt.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        return {"status": "ok", "epoch_s": times,
-                "median_epoch_s": statistics.median(times[1:] or times),
-                "peak_device_bytes": peak}
-    except torch.cuda.OutOfMemoryError:
-        return {"status": "OOM"}
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scale", type=int, default=22)
@@ -176,7 +120,8 @@ def main() -> int:
           f"(generated in {gen_s:.1f} s)", flush=True)
     # The in-memory need: PyG's measured peak running the same model; where PyG
     # cannot run, the engine's own estimate with the whole graph as one chunk.
-    pyg = {"status": "skipped"} if args.skip_pyg else pyg_run(graph, args, device)
+    pyg = ({"status": "skipped"} if args.skip_pyg else
+           pyg_run(graph, "gcn", args.layers, args.hidden, args.epochs, device))
     if pyg.get("status") == "ok" and pyg.get("peak_device_bytes"):
         need, need_from = pyg["peak_device_bytes"], "PyG measured peak"
     else:
@@ -219,8 +164,7 @@ def main() -> int:
         print(f"{r[0]:<22}{r[1]:>10}{r[2]:>14}{r[3]:>14}{r[4]:>14}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = "".join(c if c.isalnum() else "-" for c in result["device"]).strip("-").lower()
-    path = out / f"executor_{name}.json"
+    path = out / f"executor_{file_tag(result['device'])}.json"
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")
     return 0

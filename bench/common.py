@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import platform
+import statistics
 import time
 from pathlib import Path
+
+import numpy as np
+import torch
 
 #: where every benchmark writes its JSON
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -14,3 +19,111 @@ def timed(fn, *args, **kwargs):
     t0 = time.perf_counter()
     out = fn(*args, **kwargs)
     return out, time.perf_counter() - t0
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"cpu-{platform.node()}"
+
+
+def file_tag(name: str) -> str:
+    """``name`` as a file-name fragment (``NVIDIA H200`` -> ``nvidia-h200``)."""
+    return "".join(c if c.isalnum() else "-" for c in name).strip("-").lower()
+
+
+def pinned_copy_peak(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> dict:
+    """Measured pinned host<->device copy rates (bytes/s), median of ``repeats``."""
+    if device.type != "cuda":
+        return {"h2d": None, "d2h": None}
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    rates = {}
+    for name, (dst, src) in {"h2d": (dev, host), "d2h": (host, dev)}.items():
+        times = []
+        for _ in range(repeats + 1):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src, non_blocking=True)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1000.0)
+        rates[name] = nbytes / statistics.median(times[1:])
+    del host, dev
+    torch.cuda.empty_cache()
+    return rates
+
+
+def pyg_run(graph, layer: str, layers: int, hidden: int, epochs: int, device: torch.device,
+            heads: int = 4, dropout: float = 0.5) -> dict:
+    """The same model in memory with PyG: GCNConv on a normalised torch CSR adjacency
+    (``normalize=False``, as hongtu's GCN normalises by degrees), GATConv on edge_index."""
+    try:
+        from torch_geometric.nn import GATConv, GCNConv
+    except ImportError:
+        return {"status": "torch_geometric not installed"}
+    n = graph.num_nodes
+    state: dict = {}
+    try:
+        deg_np = graph.in_degree()
+        col = torch.from_numpy(graph.indices.astype(np.int64))
+        row = torch.repeat_interleave(torch.arange(n), torch.from_numpy(deg_np))
+        if layer == "gcn":
+            deg = torch.from_numpy(deg_np).double().clamp(min=1)
+            w = (deg[col].rsqrt() * deg[row].rsqrt()).float()
+            # adj_t[dst, src] = w: rows are destinations, the CSR we already have.
+            adj = torch.sparse_csr_tensor(torch.from_numpy(graph.indptr), col, w,
+                                          size=(n, n)).to(device)
+            del w
+        else:
+            adj = torch.stack([col, row]).to(device)  # edge_index: source -> destination
+        del col, row
+        state["adj"] = adj
+        x = torch.from_numpy(np.asarray(graph.x)).to(device)
+        y = torch.from_numpy(np.asarray(graph.y)).to(device)
+        mask = torch.from_numpy(graph.train_mask).to(device)
+        classes = int(graph.y.max()) + 1
+        if layer == "gcn":
+            dims = [graph.num_features] + [hidden] * (layers - 1) + [classes]
+            convs = [GCNConv(a, b, normalize=False) for a, b in zip(dims[:-1], dims[1:])]
+        else:
+            convs, width = [], graph.num_features
+            for i in range(layers):
+                last = i == layers - 1
+                convs.append(GATConv(width, classes if last else hidden // heads,
+                                     heads=1 if last else heads, concat=not last,
+                                     add_self_loops=False))
+                width = hidden
+        convs = torch.nn.ModuleList(convs).to(device)
+        opt = torch.optim.Adam(convs.parameters(), lr=0.01)
+        times = []
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        for _ in range(epochs):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            h = x
+            for i, conv in enumerate(convs):
+                h = torch.nn.functional.dropout(h, dropout, training=True)
+                h = conv(h, adj)
+                if i < len(convs) - 1:
+                    h = h.relu()
+            loss = torch.nn.functional.cross_entropy(h[mask], y[mask])
+            loss.backward()
+            opt.step()
+            del h, loss
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        return {"status": "ok", "epoch_s": times,
+                "median_epoch_s": statistics.median(times[1:] or times),
+                "peak_device_bytes": peak}
+    except torch.cuda.OutOfMemoryError:
+        return {"status": "OOM"}
+    finally:
+        state.clear()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -181,6 +181,9 @@ class EngineConfig:
         "auto", "auto = recompute-caching hybrid | recompute everything in backward")
     dedup: DedupConfig = _f(DedupConfig(), "deduplicated transfers")
     reorg: bool = _f(True, "reorganise chunks into batches to share neighbours (HongTu Alg. 4)")
+    overlap: bool = _f(True, "GPU: move the next batch's rows while the current one computes")
+    resident: Auto | bool = _f(
+        "auto", "keep every buffer on the GPU (HongTu-IM); auto = when it fits device_memory")
     throughput: ThroughputConfig = _f(ThroughputConfig(), "link throughputs for the cost model")
     cache_dir: str = _f(".hongtu_cache", "where partitions and plans are cached")
     timeout: float = _f(600.0, "seconds a rank waits for the others before the run fails",

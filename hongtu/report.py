@@ -166,7 +166,9 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
                           row_bytes=rb, neighbours=nb)
     sizes = chunk_sizes(graph, part.perm, part.chunk_ptr)
     need = estimate_device_bytes(ctx["model"], sizes, ctx["itemsize"], num_nodes=graph.num_nodes,
-                                 buffer_rows=max(p.buffer_rows for p in plan.plans))
+                                 buffer_rows=max(p.buffer_rows for p in plan.plans),
+                                 overlap=e.overlap,
+                                 load_rows=max(p.max_later_load for p in plan.plans))
     return _Setting(part, plan, name, candidates, need)
 
 
@@ -226,7 +228,7 @@ def _budget_and_chunks(cfg: Config, graph: Graph, assignment: np.ndarray, m: int
                      f"machine without CUDA: the report uses {n} chunks per part; set "
                      "engine.device_memory to the target GPU's memory to choose as training will")
         return None, n, "auto without a budget"
-    n, _ = choose_chunks(graph, assignment, m, model, budget, 4)
+    n, _ = choose_chunks(graph, assignment, m, model, budget, 4, overlap=e.overlap)
     return budget, n, f"auto: fewest that fit {format_size(budget)}"
 
 

@@ -115,6 +115,13 @@ class DevicePlan:
         """Rows of the whole device buffer (resident + receive area)."""
         return self.num_slots + self.num_recv_slots
 
+    @property
+    def max_later_load(self) -> int:
+        """The most rows a step after the first loads (they can travel during the
+        step before, through a staging area of this many rows)."""
+        loads = np.diff(np.asarray(self.load_ptr, dtype=np.int64))
+        return int(loads[1:].max()) if loads.shape[0] > 1 else 0
+
     def step(self, name: str, s: int) -> np.ndarray:
         """``name`` (e.g. ``'load_ids'``) restricted to step ``s``."""
         ptr = getattr(self, name.split("_")[0] + "_ptr")

@@ -2,8 +2,9 @@ r"""Device memory budget: what one chunk needs, and the fewest chunks that fit.
 
 The estimate is per chunk and per layer, the peak of forward and backward:
 
-* staging slots (allocated once): the largest chunk's neighbour rows, and
-  three slots of its destination rows, at the widest layer;
+* the transition buffer and its gradient twin (the plan's buffer rows),
+  staging for the next step's neighbour rows (with overlap), and three
+  destination-row slots, double-buffered with overlap, at the widest layer;
 * the chunk's block (two copies of its edges, plus per-edge weights);
 * activations of the layer: dropped inputs (the counter-based dropout mask
   costs 32 bytes per element while it is built), the aggregate, the output
@@ -65,7 +66,8 @@ def chunk_sizes(graph: Graph, perm: np.ndarray, chunk_ptr: np.ndarray) -> ChunkS
 
 def estimate_device_bytes(model: GNN, sizes: ChunkSizes, itemsize: int = 4,
                           training: bool = True, num_nodes: int = 0,
-                          buffer_rows: int | None = None) -> int:
+                          buffer_rows: int | None = None, overlap: bool = True,
+                          load_rows: int | None = None, resident: bool = False) -> int:
     """Estimated peak device bytes of training ``model`` chunk by chunk.
 
     Args:
@@ -76,13 +78,20 @@ def estimate_device_bytes(model: GNN, sizes: ChunkSizes, itemsize: int = 4,
         num_nodes: vertex count (labels and masks live on the device).
         buffer_rows: rows of the transition buffer (the plan's
             ``buffer_rows``); default the largest chunk's neighbour count.
+        overlap: transfers run one batch ahead (staging is double-buffered).
+        load_rows: the most rows a step after the first loads (staged with
+            overlap); default ``buffer_rows``.
+        resident: the buffers live on the device (not counted here: see
+            :meth:`~hongtu.engine.buffers.BufferPlan.resident_bytes`), so
+            destination rows need no staging.
     """
     widths = model.widths()
     wmax = max(widths)
     max_src, max_dst = int(sizes.num_src.max()), int(sizes.num_dst.max())
     rows = max_src if buffer_rows is None else int(buffer_rows)
-    # transition buffer and its gradient twin, and three destination slots
-    fixed = (2 * rows + 3 * max_dst) * wmax * itemsize
+    stage = (rows if load_rows is None else int(load_rows)) if overlap else 0
+    slots = 0 if resident else (6 if overlap else 3)
+    fixed = (2 * rows + stage + slots * max_dst) * wmax * itemsize
     fixed += sum(p.numel() for p in model.parameters()) * itemsize * 4
     fixed += num_nodes * 11  # labels (int64) and three masks (bool)
     fixed += _FIXED_EXTRA
@@ -107,8 +116,11 @@ def resident_block_bytes(sizes: ChunkSizes, itemsize: int = 4) -> int:
 
 def choose_chunks(graph: Graph, assignment: np.ndarray, num_parts: int, model: GNN,
                   budget: int | None, itemsize: int = 4,
-                  candidates: tuple[int, ...] = CHUNK_CANDIDATES) -> tuple[int, int]:
+                  candidates: tuple[int, ...] = CHUNK_CANDIDATES, **estimate) -> tuple[int, int]:
     """The fewest chunks per part whose estimated peak fits ``budget``.
+
+    ``estimate`` holds further arguments of :func:`estimate_device_bytes`
+    (``overlap``, ``resident``).
 
     Returns:
         ``(chunks, estimated_bytes)``.
@@ -118,16 +130,27 @@ def choose_chunks(graph: Graph, assignment: np.ndarray, num_parts: int, model: G
     """
     part_sizes = np.bincount(assignment, minlength=num_parts)
     smallest = int(part_sizes.min())
-    best = None
-    for n in candidates:
-        if n > smallest:
-            break
-        p = chunk_partition(graph, assignment, n, num_parts=num_parts)
-        need = estimate_device_bytes(model, chunk_sizes(graph, p.perm, p.chunk_ptr), itemsize,
-                                     num_nodes=graph.num_nodes)
-        best = (n, need) if best is None or need < best[1] else best
-        if budget is None or need <= budget:
-            return n, need
+    cands = [n for n in candidates if n <= smallest] or [1]
+    seen: dict[int, int] = {}
+
+    def need(i: int) -> int:
+        n = cands[i]
+        if n not in seen:
+            p = chunk_partition(graph, assignment, n, num_parts=num_parts)
+            seen[n] = estimate_device_bytes(model, chunk_sizes(graph, p.perm, p.chunk_ptr),
+                                            itemsize, num_nodes=graph.num_nodes, **estimate)
+        return seen[n]
+
+    if budget is None or need(0) <= budget:
+        return cands[0], need(0)
+    # The estimate falls as chunks grow: bisect for the fewest that fit.
+    lo, hi = 0, len(cands) - 1
+    if need(hi) <= budget:
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if need(mid) <= budget else (mid, hi)
+        return cands[hi], need(hi)
+    best = min(seen.items(), key=lambda kv: kv[1])
     n, need = best
     raise UserError(
         f"engine.device_memory={format_size(budget)} is too small: even {n} chunks per part "

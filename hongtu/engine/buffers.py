@@ -67,6 +67,10 @@ class BufferPlan:
     def total_bytes(self) -> int:
         return sum(b for _, b in self.entries())
 
+    def resident_bytes(self) -> int:
+        """Device bytes of every buffer, ``h^0`` included (resident mode)."""
+        return self.total_bytes() + self.num_nodes * self.widths[0] * self.itemsize
+
     def format(self) -> str:
         rows = [f"  {name:<10} {format_size(b):>12}" for name, b in self.entries()]
         rows.append(f"  {'total':<10} {format_size(self.total_bytes()):>12}")
@@ -85,7 +89,8 @@ class BufferPlan:
 
 
 class HostBuffers:
-    """The slabs of a :class:`BufferPlan`.
+    """The slabs of a :class:`BufferPlan`: in host memory, or with ``device`` given
+    (resident mode, everything fits the device budget) on the device.
 
     Attributes:
         h: ``h[l]`` for ``l = 0..L`` (``h[0]`` wraps the input features).
@@ -94,21 +99,25 @@ class HostBuffers:
     """
 
     def __init__(self, plan: BufferPlan, x: np.ndarray | Tensor, pin: bool,
-                 dtype: torch.dtype = torch.float32) -> None:
-        plan.check_host_memory()
+                 dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> None:
+        on_device = device is not None and device.type != "cpu"
+        if not on_device:
+            plan.check_host_memory()
         n = plan.num_nodes
         L = len(plan.widths) - 1
 
-        self.pinned = pin
+        self.pinned = pin and not on_device
 
         def slab(width: int) -> Tensor:
+            if on_device:
+                return torch.empty((n, width), dtype=dtype, device=device)
             if not pin:
                 return torch.empty((n, width), dtype=dtype)
             t, ok = pinned_empty((n, width), dtype)
             self.pinned = self.pinned and ok
             return t
 
-        if pin:
+        if pin or on_device:
             # The GPU reads h^0 in place: copy the input (which may be memory
             # mapped) into a slab that can be registered.
             x0 = slab(plan.widths[0])

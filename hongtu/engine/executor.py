@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from hongtu.dedup import DevicePlan
@@ -57,33 +56,54 @@ class StepResult:
 class _PlanOnDevice:
     """A :class:`DevicePlan`'s index arrays on the compute device, sliced per step."""
 
-    def __init__(self, plan: DevicePlan, device: torch.device, row0: int = 0) -> None:
+    def __init__(self, plan: DevicePlan, device: torch.device, row0: int = 0,
+                 resident: bool = False, num_rows: int = 0) -> None:
         def dev(a: np.ndarray, shift: int = 0) -> Tensor:
             return torch.from_numpy(np.asarray(a, dtype=np.int64) - shift).to(device)
 
         self.plan = plan
         # Host ids become rows of this process's own host buffers (which start at row0).
         self.load_ids, self.load_slots = dev(plan.load_ids, row0), dev(plan.load_slots)
-        self.flush_slots = dev(plan.flush_slots)
-        self.flush_ids = np.asarray(plan.flush_ids, dtype=np.int64) - row0  # for host adds
+        # A row's first flush in a pass can be written instead of added (nothing
+        # was added there yet): order each step's flushes first-ones first.
+        ids = np.asarray(plan.flush_ids, dtype=np.int64) - row0
+        ptr = np.asarray(plan.flush_ptr, dtype=np.int64)
+        first = np.zeros(ids.shape[0], dtype=bool)
+        first[np.unique(ids, return_index=True)[1]] = True
+        order = np.lexsort((~first, np.repeat(np.arange(ptr.shape[0] - 1), np.diff(ptr))))
+        self.flush_ids = ids[order]  # for host adds
+        self.flush_slots = dev(np.asarray(plan.flush_slots)[order])
+        self.flush_ids_dev = dev(self.flush_ids)
+        counted = np.concatenate([[0], np.cumsum(first)])
+        self.flush_split = ptr[:-1] + counted[ptr[1:]] - counted[ptr[:-1]]
+        #: rows no flush writes (they must be zeroed when first flushes are written)
+        self.unflushed = np.setdiff1d(np.arange(num_rows, dtype=np.int64), ids)
         self.chunk_slots = dev(plan.chunk_slots)
         self.send_slots = dev(plan.send_slots)
         self.send_counts = plan.send_counts.tolist()
         self.recv_counts = plan.recv_counts.tolist()
 
-    def steps(self):
-        """``(s, [(q, chunk id), ...])`` in processing order."""
-        p = self.plan
-        for s in range(p.num_steps):
-            yield s, [(q, int(p.chunk_ids[q])) for q in range(p.step_ptr[s], p.step_ptr[s + 1])]
+        p = plan
+        #: ``(step, q, chunk id, first of its step, last of its step)`` in processing order
+        self.items = [(s, q, int(p.chunk_ids[q]), q == p.step_ptr[s], q == p.step_ptr[s + 1] - 1)
+                      for s in range(p.num_steps) for q in range(p.step_ptr[s], p.step_ptr[s + 1])]
 
     def load(self, s: int) -> tuple[Tensor, Tensor]:
         a, b = int(self.plan.load_ptr[s]), int(self.plan.load_ptr[s + 1])
         return self.load_ids[a:b], self.load_slots[a:b]
 
-    def flush(self, s: int) -> tuple[np.ndarray, Tensor]:
+    def flush(self, s: int, first: bool = False) -> tuple[np.ndarray, Tensor, Tensor]:
+        """Step ``s``'s flushes ``(host ids, slots, ids on the device)``: all of them,
+        or with ``first`` the rows flushed for the first time in the pass."""
         a, b = int(self.plan.flush_ptr[s]), int(self.plan.flush_ptr[s + 1])
-        return self.flush_ids[a:b], self.flush_slots[a:b]
+        if first:
+            b = int(self.flush_split[s])
+        return self.flush_ids[a:b], self.flush_slots[a:b], self.flush_ids_dev[a:b]
+
+    def reflush(self, s: int) -> tuple[np.ndarray, Tensor, Tensor]:
+        """Step ``s``'s flushes of rows flushed before in the pass (they are added)."""
+        a, b = int(self.flush_split[s]), int(self.plan.flush_ptr[s + 1])
+        return self.flush_ids[a:b], self.flush_slots[a:b], self.flush_ids_dev[a:b]
 
     def sends(self, s: int) -> tuple[Tensor, list[int], list[int]]:
         """Step ``s``'s send slots and the per-peer send and receive counts."""
@@ -101,7 +121,8 @@ class Executor:
     Args:
         model: the GNN (parameters on ``device``).
         chunks: the chunk blocks (host tensors).
-        buffers: the host buffers.
+        buffers: the host buffers (or, in resident mode, the same buffers
+            allocated on the device).
         labels: ``(N,)`` int64 labels.
         masks: ``{"train": ..., "val": ..., "test": ...}`` boolean ``(N,)`` masks.
         device: the compute device.
@@ -117,12 +138,15 @@ class Executor:
             that part's rows, starting at ``chunks.row0``).
         num_train: train vertices of the whole graph (the loss is normalised
             by it); default ``masks["train"].sum()``.
+        overlap: on a GPU, move the next batch's rows while the current one
+            computes (:class:`~hongtu.engine.transfer.Mover`).
     """
 
     def __init__(self, model: GNN, chunks: ChunkSet, buffers: HostBuffers, labels: Tensor,
                  masks: dict[str, Tensor], device: torch.device, plan: DevicePlan,
                  checkpoint: str = "auto", seed: int = 0, resident_blocks: bool = True,
-                 comm: Comm | None = None, num_train: int | None = None) -> None:
+                 comm: Comm | None = None, num_train: int | None = None,
+                 overlap: bool = True) -> None:
         self.model = model
         self.chunks = chunks
         self.buf = buffers
@@ -132,12 +156,21 @@ class Executor:
         self.dtype = buffers.h[1].dtype
         widths = model.widths()
         self.comm = comm
-        max_dst = chunks.max_rows()[1]
+        self.resident = buffers.h[1].device.type == "cuda"
+        self.plan = _PlanOnDevice(plan, device, chunks.row0, self.resident,
+                                  buffers.h[0].shape[0])
+        # Staging for destination rows (none when the buffers are on the device:
+        # a range is then a view of them).
+        max_dst = 0 if self.resident else chunks.max_rows()[1]
         self.mover = Mover(device, {"dst": max_dst, "aux": max_dst, "grad": max_dst},
-                           max(widths), self.dtype, stage_rows=plan.buffer_rows)
-        self.plan = _PlanOnDevice(plan, device, chunks.row0)
+                           max(widths), self.dtype,
+                           stage_rows=0 if self.resident else plan.buffer_rows,
+                           load_rows=plan.max_later_load, overlap=overlap)
+        # Resident on one device: chunks read h^l and add into ∇h^l in place, so
+        # the transition buffer and the transfer plan are not needed.
+        self._direct = self.resident and comm is None
         # The transition buffer (rows of h^l) and its gradient twin, allocated once.
-        rows = max(plan.buffer_rows, 1)
+        rows = 1 if self._direct else max(plan.buffer_rows, 1)
         self._tbuf = torch.empty(rows * max(widths), dtype=self.dtype, device=device)
         self._gbuf = torch.empty(rows * max(widths), dtype=self.dtype, device=device)
         self.labels = labels.to(device)
@@ -152,15 +185,35 @@ class Executor:
         self._copy_blocks = device.type != "cpu" and not resident_blocks
 
     # ------------------------------------------------------------- helpers
-    def _block(self, c: int) -> Block:
+    def _fetch_block(self, c: int):
+        """Chunk ``c``'s block, or (blocks not resident) a ticket for its copy."""
         block = self._blocks[c]
-        return block.to(self.device, non_blocking=True) if self._copy_blocks else block
+        return self.mover.fetch_block(block) if self._copy_blocks else block
+
+    def _take_block(self, fetched) -> Block:
+        return fetched if isinstance(fetched, Block) else self.mover.take_block(fetched)
+
+    def _sources(self, l: int, q: int, block: Block, tbuf: Tensor) -> Tensor:
+        """``h^l[N_c]``: from the transition buffer, or (resident) from ``h^l`` itself."""
+        if not self._direct:
+            return tbuf.index_select(0, self.plan.slots(q))
+        h = self.buf.h[l]
+        return h if block.num_src == h.shape[0] else h.index_select(0, block.src_ids)
+
+    def _add_sources(self, l: int, q: int, block: Block, gbuf: Tensor, g: Tensor) -> None:
+        """``∇h^l[N_c] += g``: at the rows' slots, or (resident) into ``∇h^l`` itself."""
+        if not self._direct:
+            gbuf.index_add_(0, self.plan.slots(q), g)
+        elif block.num_src == g.shape[0] == self.buf.grad[l].shape[0]:
+            self.buf.grad[l].add_(g)
+        else:
+            self.buf.grad[l].index_add_(0, block.src_ids, g)
 
     def _seed(self, epoch: int, l: int) -> int:
         return layer_seed(self.seed, epoch, l)
 
     def _buffer(self, which: Tensor, width: int) -> Tensor:
-        rows = self.plan.plan.buffer_rows
+        rows = 0 if self._direct else self.plan.plan.buffer_rows
         return which[: rows * width].view(rows, width)
 
     # ------------------------------------------------------------- forward
@@ -170,34 +223,81 @@ class Executor:
         model, buf, mv, plan = self.model, self.buf, self.mover, self.plan
         model.train(train)
         L = model.num_layers
-        res = StepResult(0.0, {"train": 0, "val": 0, "test": 0}, {"train": 0, "val": 0, "test": 0})
+        acc = torch.zeros(7, dtype=torch.float64, device=self.device)  # loss, correct, total
         for l in range(L):
             layer = model.layers[l]
             seed = self._seed(epoch, l)
             tbuf = self._buffer(self._tbuf, buf.h[l].shape[1])
-            for s, chunks in plan.steps():
-                mv.load_rows_into(buf.h[l], *plan.load(s), tbuf)
-                self._exchange(s, tbuf)
-                for q, c in chunks:
-                    block = self._block(c)
-                    v0, v1 = self.chunks.range(c)
-                    x_src = tbuf.index_select(0, plan.slots(q))
-                    x_dst = mv.load_range(buf.h[l], v0, v1, "dst") if layer.needs_dst else None
+
+            def fetch(i, l=l, layer=layer, tbuf=tbuf):
+                s, _, c, first, _ = plan.items[i]
+                v0, v1 = self.chunks.range(c)
+                rows = mv.fetch_rows(buf.h[l], *plan.load(s), tbuf, direct=s == 0) \
+                    if first and not self._direct else None
+                dst = mv.fetch_range(buf.h[l], v0, v1, "dst") if layer.needs_dst else None
+                return rows, dst, self._fetch_block(c)
+
+            def run(i, fetched, fetch_next, l=l, layer=layer, seed=seed, tbuf=tbuf):
+                s, q, c, _, _ = plan.items[i]
+                rows, dst, block = fetched
+                if rows is not None:
+                    mv.place(rows)
+                    self._exchange(s, tbuf)
+                fetch_next()
+                block = self._take_block(block)
+                v0, v1 = self.chunks.range(c)
+                x_dst = mv.take(dst) if dst is not None else None
+                with mv.timing("time_compute_s"):
+                    x_src = self._sources(l, q, block, tbuf)
                     if self.cached[l] and train:
                         a = model.step_aggregate(l, block, x_src, seed)
-                        mv.store_range(buf.agg[l], v0, a)
                         out = model.step_update(l, block, a, x_dst, seed)
                     else:
+                        a = None
                         out = model.step_forward(l, block, x_src, x_dst, seed)
-                    if l == L - 1:
-                        self._output(out, v0, v1, train, res)
-                    else:
-                        mv.store_range(buf.h[l + 1], v0, out)
-                    if progress is not None:
-                        progress(1)
+                    grad = self._output(out, v0, v1, train, acc) if l == L - 1 else None
+                if a is not None:
+                    mv.store_range(buf.agg[l], v0, a)
+                if l < L - 1:
+                    mv.store_range(buf.h[l + 1], v0, out)
+                elif train:
+                    mv.store_range(buf.grad[-1], v0, grad)
+                else:
+                    mv.store_range(buf.h[-1], v0, out)
+                if progress is not None:
+                    progress(1)
+
+            self._run_pass(fetch, run)
+        v = acc.tolist()  # the pass's one synchronisation
+        res = StepResult(v[0], dict(zip(_SPLITS, map(int, v[1:4]))),
+                         dict(zip(_SPLITS, map(int, v[4:7]))))
         if self.comm is not None:
             self._reduce(res)
         return res
+
+    def _run_pass(self, fetch, run) -> None:
+        """One layer pass over the plan's items.
+
+        ``fetch(i)`` issues item ``i``'s transfers and returns what ``run(i,
+        fetched, fetch_next)`` needs. With overlap, ``run`` calls
+        ``fetch_next()`` as soon as compute may overwrite what item ``i+1``'s
+        transfers target (before it computes item ``i``), so the next batch's
+        rows travel while this one computes; without, item ``i+1`` is fetched
+        after item ``i`` ran.
+        """
+        mv, n = self.mover, len(self.plan.items)
+        mv.barrier()
+        ahead = fetch(0) if n else None
+        for i in range(n):
+            box = []
+
+            def fetch_next(i=i, box=box):
+                if mv.overlap and i + 1 < n:
+                    box.append(fetch(i + 1))
+
+            run(i, ahead, fetch_next)
+            ahead = box[0] if box else (fetch(i + 1) if i + 1 < n else None)
+        mv.join()
 
     def _exchange(self, s: int, tbuf: Tensor) -> None:
         """Rows other ranks need go to them; rows this rank needs land in the receive area."""
@@ -228,27 +328,30 @@ class Executor:
         for i, k in enumerate(keys):
             res.correct[k], res.total[k] = int(v[1 + i]), int(v[1 + len(keys) + i])
 
-    def _output(self, logits: Tensor, v0: int, v1: int, train: bool, res: StepResult) -> None:
+    def _output(self, logits: Tensor, v0: int, v1: int, train: bool,
+                acc: Tensor) -> Tensor | None:
+        """Count correct predictions into ``acc``; in training add the chunk's loss and
+        return ``∇h^L`` of its rows. Device-side only: nothing waits for the GPU."""
         y = self.labels[v0:v1]
         pred = logits.argmax(dim=-1)
-        for split, mask in self.masks.items():
-            m = mask[v0:v1]
-            res.correct[split] += int((pred[m] == y[m]).sum())
-            res.total[split] += int(m.sum())
+        hit = pred == y
+        for k, split in enumerate(_SPLITS):
+            m = self.masks[split][v0:v1]
+            acc[1 + k] += (hit & m).sum()
+            acc[4 + k] += m.sum()
         if not train:
-            self.mover.store_range(self.buf.h[-1], v0, logits)
-            return
-        m = self.masks["train"][v0:v1]
-        with torch.enable_grad():
-            z = logits.detach().requires_grad_(True)
-            loss = F.cross_entropy(z[m], y[m], reduction="sum") / self.num_train
-            if m.any():
-                loss.backward()
-                grad = z.grad
-            else:
-                grad = torch.zeros_like(z)
-        res.loss += float(loss)
-        self.mover.store_range(self.buf.grad[-1], v0, grad)
+            return None
+        # Cross-entropy over the train rows, normalised by the whole graph's
+        # train count, and its gradient (softmax - onehot) / count; rows outside
+        # the train split contribute exactly zero.
+        m = self.masks["train"][v0:v1].unsqueeze(1)
+        z = logits.to(torch.float64) if logits.dtype == torch.float64 else logits.float()
+        yy = y.clamp(0, z.shape[1] - 1).unsqueeze(1)
+        lse = torch.logsumexp(z, dim=1, keepdim=True)
+        acc[0] += torch.where(m, lse - z.gather(1, yy), 0.0).sum().to(acc.dtype) / self.num_train
+        grad = torch.exp(z - lse)
+        grad.scatter_add_(1, yy, torch.full_like(yy, -1, dtype=grad.dtype))
+        return torch.where(m, grad / self.num_train, 0.0).to(logits.dtype)
 
     # ------------------------------------------------------------ backward
     def backward(self, epoch: int, progress=None) -> None:
@@ -262,50 +365,78 @@ class Executor:
             width = buf.h[l].shape[1]
             tbuf = self._buffer(self._tbuf, width)
             gbuf = self._buffer(self._gbuf, width)
-            if need_in:
+            # A layer without own-row gradients gets ∇h^l only through flushes:
+            # a row's first flush is written, later ones added; rows no flush
+            # reaches are zeroed. Otherwise ∇h^l starts at zero and all is added.
+            write = (need_in and not self._direct and not layer.needs_dst
+                     and mv.can_write(buf.grad[l]))
+            if write:
+                buf.grad[l][torch.from_numpy(plan.unflushed)] = 0
+            elif need_in:
                 buf.grad[l].zero_()
-            for s, chunks in plan.steps():
-                ids, slots = plan.load(s)
-                if not self.cached[l]:
-                    mv.load_rows_into(buf.h[l], ids, slots, tbuf)
+
+            def fetch(i, l=l, layer=layer, tbuf=tbuf):
+                s, _, c, first, _ = plan.items[i]
+                v0, v1 = self.chunks.range(c)
+                rows = None
+                if first and not self.cached[l] and not self._direct:
+                    rows = mv.fetch_rows(buf.h[l], *plan.load(s), tbuf, direct=s == 0)
+                g_out = mv.fetch_range(buf.grad[l + 1], v0, v1, "grad")
+                dst = mv.fetch_range(buf.h[l], v0, v1, "dst") if layer.needs_dst else None
+                agg = mv.fetch_range(buf.agg[l], v0, v1, "aux") if self.cached[l] else None
+                return rows, g_out, dst, agg, self._fetch_block(c)
+
+            def run(i, fetched, fetch_next, l=l, layer=layer, seed=seed, tbuf=tbuf,
+                    gbuf=gbuf, need_in=need_in, write=write):
+                s, q, c, first, last = plan.items[i]
+                rows = fetched[0]
+                if rows is not None:
+                    mv.place(rows)
                     self._exchange(s, tbuf)
-                if need_in:
-                    gbuf.index_fill_(0, slots, 0)  # rows entering start with no gradient
+                if first and need_in and not self._direct:
+                    gbuf.index_fill_(0, plan.load(s)[1], 0)  # rows entering: no gradient
                     gbuf[plan.plan.num_slots:].zero_()  # and so does the receive area
-                for q, c in chunks:
-                    self._backward_chunk(l, layer, q, c, tbuf, gbuf, need_in, seed)
-                    if progress is not None:
-                        progress(1)
-                if need_in:
+                fetch_next()
+                self._backward_chunk(l, layer, q, c, fetched, tbuf, gbuf, need_in, seed)
+                if progress is not None:
+                    progress(1)
+                if last and need_in and not self._direct:
                     self._exchange_back(s, gbuf)
-                    mv.flush_rows(buf.grad[l], *plan.flush(s), gbuf)
+                    if write:
+                        _, slots, ids_dev = plan.flush(s, first=True)
+                        mv.write_rows(buf.grad[l], ids_dev, slots, gbuf)
+                        ids, slots, ids_dev = plan.reflush(s)
+                    else:
+                        ids, slots, ids_dev = plan.flush(s)
+                    mv.flush_rows(buf.grad[l], ids, slots, gbuf, ids_dev=ids_dev)
+
+            self._run_pass(fetch, run)
             mv.drain()  # ∇h^l complete in host memory before layer l-1 reads it
         if self.comm is not None:
             self.comm.all_reduce_grads(self.model.parameters())
 
-    def _backward_chunk(self, l: int, layer, q: int, c: int, tbuf: Tensor, gbuf: Tensor,
-                        need_in: bool, seed: int) -> None:
+    def _backward_chunk(self, l: int, layer, q: int, c: int, fetched, tbuf: Tensor,
+                        gbuf: Tensor, need_in: bool, seed: int) -> None:
         model, buf, mv = self.model, self.buf, self.mover
-        block = self._block(c)
-        v0, v1 = self.chunks.range(c)
-        g_out = mv.load_range(buf.grad[l + 1], v0, v1, "grad")
-        x_dst = None
-        if layer.needs_dst:
-            x_dst = mv.load_range(buf.h[l], v0, v1, "dst").detach().requires_grad_(need_in)
-        with torch.enable_grad():
-            if self.cached[l]:
-                a = mv.load_range(buf.agg[l], v0, v1, "aux").detach().requires_grad_(need_in)
+        _, g_out, dst, agg, block = fetched
+        block = self._take_block(block)
+        v0, _ = self.chunks.range(c)
+        g_out = mv.take(g_out)
+        x_dst = mv.take(dst).detach().requires_grad_(need_in) if dst is not None else None
+        a = mv.take(agg).detach().requires_grad_(need_in) if agg is not None else None
+        with mv.timing("time_compute_s"), torch.enable_grad():
+            if a is not None:
                 out = model.step_update(l, block, a, x_dst, seed)
                 _backward(out, g_out)
                 g_src = (model.step_aggregate_transpose(l, block, a.grad, seed)
                          if need_in and a.grad is not None else None)
             else:
-                x_src = tbuf.index_select(0, self.plan.slots(q)).requires_grad_(need_in)
+                x_src = self._sources(l, q, block, tbuf).detach().requires_grad_(need_in)
                 out = model.step_forward(l, block, x_src, x_dst, seed)
                 _backward(out, g_out)
                 g_src = x_src.grad if need_in else None
-        if g_src is not None:
-            gbuf.index_add_(0, self.plan.slots(q), g_src)
+            if g_src is not None:
+                self._add_sources(l, q, block, gbuf, g_src)
         if need_in and x_dst is not None and x_dst.grad is not None:
             mv.add_range(buf.grad[l], v0, x_dst.grad)
 
@@ -324,6 +455,9 @@ class Executor:
         """Chunk visits of one epoch (for progress bars)."""
         per_pass = (self.plan.plan.chunk_ids.shape[0]) * self.model.num_layers
         return per_pass * (3 if evaluate else 2)
+
+
+_SPLITS = ("train", "val", "test")
 
 
 def _backward(out: Tensor, grad: Tensor) -> None:

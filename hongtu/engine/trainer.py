@@ -125,6 +125,7 @@ class Trainer:
             self.out = _silent  # one voice: rank 0 reports for all
         t0 = time.perf_counter()
         graph = load_data(cfg)
+        t_part = time.perf_counter()
         self.num_classes = graph.num_classes
         torch.manual_seed(cfg.train.seed)
         self.model: GNN = build_model(cfg.model, graph.num_features, self.num_classes)
@@ -145,9 +146,15 @@ class Trainer:
             self.comm.barrier()
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.budget = self._budget()
-        if e.chunks == "auto":
-            chunks, _ = choose_chunks(graph, assignment, parts, self.model, self.budget, itemsize)
-        else:
+        cached = self.model.cached_layers(e.checkpoint)
+        own_rows = int(np.sum(assignment == rank)) if world > 1 else graph.num_nodes
+        self.resident, self.room, chunks = self._resident(
+            graph, assignment, parts, BufferPlan(own_rows, self.model.widths(), cached, itemsize),
+            itemsize)
+        if chunks is None and e.chunks == "auto":
+            chunks, _ = choose_chunks(graph, assignment, parts, self.model, self.room, itemsize,
+                                      overlap=e.overlap)
+        elif chunks is None:
             chunks = e.chunks
         part_sizes = np.bincount(assignment, minlength=parts)
         if chunks > part_sizes.min():
@@ -156,9 +163,11 @@ class Trainer:
         self.partition = chunk_partition(graph, assignment, chunks, num_parts=parts,
                                          method=e.partitioner, seed=cfg.train.seed)
         sizes = chunk_sizes(graph, self.partition.perm, self.partition.chunk_ptr)
+        partition_s = time.perf_counter() - t_part
         self.estimate = estimate_device_bytes(self.model, sizes, itemsize,
-                                              num_nodes=graph.num_nodes)
-        if self.budget is not None and self.estimate > self.budget:
+                                              num_nodes=graph.num_nodes, overlap=e.overlap,
+                                              resident=self.resident)
+        if self.room is not None and self.estimate > self.room:
             raise UserError(f"engine.chunks={chunks} needs about {format_size(self.estimate)} "
                             f"on the device but engine.device_memory is "
                             f"{format_size(self.budget)}; use engine.chunks=auto or more chunks")
@@ -180,21 +189,22 @@ class Trainer:
             row_bytes=itemsize * max(self.model.widths()), t_hd=tp["host_to_device"],
             t_dd=tp["device_to_device"], t_ru=tp["reuse"])
         self.plan_s = time.perf_counter() - t_plan
+        dplan = self.transfer_plan.plans[rank]
         self.estimate = estimate_device_bytes(
-            self.model, sizes, itemsize, num_nodes=b - a,
-            buffer_rows=self.transfer_plan.plans[rank].buffer_rows)
-        if self.budget is not None and self.estimate > self.budget:
+            self.model, sizes, itemsize, num_nodes=b - a, buffer_rows=dplan.buffer_rows,
+            overlap=e.overlap, load_rows=dplan.max_later_load, resident=self.resident)
+        if self.room is not None and self.estimate > self.room:
             raise UserError(f"the transfer plan's buffers need about "
                             f"{format_size(self.estimate)} on the device but "
                             f"engine.device_memory is {format_size(self.budget)}; use more "
                             "engine.chunks or raise engine.device_memory")
         self.chunks = ChunkSet.build(g, self.partition.chunk_ptr, parts, chunks, dtype,
                                      part=rank if world > 1 else None)
-        cached = self.model.cached_layers(e.checkpoint)
         plan = BufferPlan(b - a, self.model.widths(), cached, itemsize)
         self.out(self._plan_text(plan, parts, chunks))
         buffers = HostBuffers(plan, g.x if world == 1 else x_own,
-                              pin=self.device.type == "cuda", dtype=dtype)
+                              pin=self.device.type == "cuda", dtype=dtype,
+                              device=self.device if self.resident else None)
         g.x = x_own = None  # h^0 holds the features now (a pinned copy on GPUs)
 
         def own(mask):
@@ -202,15 +212,22 @@ class Trainer:
             return torch.from_numpy(mask[a:b].copy())
 
         masks = {k: own(getattr(g, f"{k}_mask")) for k in ("train", "val", "test")}
-        resident = self.budget is None or (
-            self.estimate + resident_block_bytes(sizes, itemsize) <= self.budget)
+        blocks_fit = self.room is None or (
+            self.estimate + resident_block_bytes(sizes, itemsize) <= self.room)
         self.executor = Executor(
             self.model, self.chunks, buffers,
             torch.from_numpy(np.asarray(g.y[a:b], dtype=np.int64)), masks, self.device,
             self.transfer_plan.plans[rank], e.checkpoint, cfg.train.seed,
-            resident_blocks=resident, comm=self.comm, num_train=int(np.sum(g.train_mask)))
+            resident_blocks=blocks_fit, comm=self.comm, num_train=int(np.sum(g.train_mask)),
+            overlap=e.overlap)
         self.optimizer = self._optimizer()
         self.preprocess_s = time.perf_counter() - t0
+        #: where setup went: loading, partitioning (parts, chunk count, chunks),
+        #: planning (transfer plan + reorganiser), and the rest (renumbering,
+        #: chunk blocks, buffers)
+        self.setup_times = {"load_s": t_part - t0, "partition_s": partition_s,
+                            "plan_s": self.plan_s}
+        self.setup_times["other_s"] = self.preprocess_s - sum(self.setup_times.values())
 
     # ------------------------------------------------------------------ setup
     def _budget(self) -> int | None:
@@ -221,6 +238,44 @@ class Trainer:
             free, _total = torch.cuda.mem_get_info(self.device)
             return int(free * 0.9)
         return None
+
+    def _resident(self, graph: Graph, assignment: np.ndarray, parts: int, plan: BufferPlan,
+                  itemsize: int) -> tuple[bool, int | None, int | None]:
+        """Should every buffer live on the device (HongTu-IM)?
+
+        Yes when the buffers and the batches both fit the budget (``engine.resident:
+        auto``), or when asked (``true``; a clear error when they do not fit).
+        Returns ``(resident, budget left for batches, chunks or None)``.
+        """
+        e = self.cfg.engine
+        if e.resident is False or self.device.type != "cuda":
+            if e.resident is True:
+                raise UserError("engine.resident=true keeps the buffers in GPU memory, but "
+                                f"this run's device is {self.device.type}; set "
+                                "engine.resident=auto")
+            return False, self.budget, None
+        need = plan.resident_bytes()
+        room = None if self.budget is None else self.budget - need
+        if room is not None and room > 0:
+            try:
+                if e.chunks == "auto":
+                    chunks, _ = choose_chunks(graph, assignment, parts, self.model, room,
+                                              itemsize, overlap=e.overlap, resident=True)
+                    return True, room, chunks
+                p = chunk_partition(graph, assignment, e.chunks, num_parts=parts)
+                est = estimate_device_bytes(self.model, chunk_sizes(graph, p.perm, p.chunk_ptr),
+                                            itemsize, num_nodes=graph.num_nodes,
+                                            overlap=e.overlap, resident=True)
+                if est <= room:
+                    return True, room, e.chunks
+            except UserError:
+                pass
+        if e.resident is True:
+            raise UserError(f"engine.resident=true but the buffers alone need "
+                            f"{format_size(need)} of the {format_size(self.budget)} device "
+                            "budget, with too little left for a batch; set engine.resident=auto "
+                            "(trains out of core) or raise engine.device_memory")
+        return False, self.budget, None
 
     def _optimizer(self) -> torch.optim.Optimizer:
         t = self.cfg.train
@@ -238,6 +293,8 @@ class Trainer:
                            for layer, c in zip(self.model.layers, plan.cached))
         tp = self.transfer_plan
         n = max(tp.num_nodes, 1)
+        where = ("device buffers (resident: everything fits the budget, nothing crosses the "
+                 "host link)" if self.resident else "host buffers")
         transfers = (f"transfers per layer pass (rows / |V|): V_ori {tp.v_ori / n:.3f}, "
                      f"V_+p2p {tp.v_p2p / n:.3f}, V_+ru {tp.v_ru / n:.3f}; this plan loads "
                      f"{tp.h2d_rows / n:.3f} (reuse={tp.reuse}, p2p={tp.p2p}, "
@@ -249,7 +306,7 @@ class Trainer:
                 f"device {self.device}: {parts} part(s) x {chunks} chunk(s); "
                 f"estimated peak {format_size(self.estimate)} per batch (budget {budget})\n"
                 f"{transfers}\n"
-                f"host buffers:\n{plan.format()}")
+                f"{where}:\n{plan.format()}")
 
     # ---------------------------------------------------------------- training
     def fit(self, metrics_path: str | None = None, progress: bool | None = None,
@@ -363,7 +420,6 @@ class Trainer:
                "val_acc": acc.accuracy("val") if acc else None,
                "test_acc": acc.accuracy("test") if acc else None,
                "epoch_s": dt, **traffic,
-               "time_compute_s": max(0.0, dt - ex.mover.traffic.moving_s()),
                "peak_device_bytes": int(peak), "peak_measured": measured}
         if per_rank is not None:
             rec["ranks"] = per_rank

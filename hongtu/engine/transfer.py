@@ -7,18 +7,38 @@ algorithm and the counters are identical in both modes.
 
 On a GPU, host buffers are pinned in place; neighbour rows are gathered by the
 GPU straight from them through a device view (zero-copy, sorted ids),
-contiguous ranges move by DMA, and gradients leaving the device are copied to a
-pinned staging area and added into the host buffer by a parallel numba kernel
-(ids of one flush are unique, so rows never collide).
+contiguous ranges move by DMA, and gradients leaving the device are compacted
+on the GPU, copied to a pinned staging area and added into the host buffer by
+a parallel numba kernel (ids of one flush are unique, so rows never collide).
 
-Device staging slots are allocated once (sized by the largest chunk) and
-handed out as views; the batch loop does not allocate host memory.
+**Overlap.** Work runs on three CUDA streams: host→device loads on one,
+device→host stores and flushes on another, compute on the caller's current
+stream. The executor asks for the next batch's rows (:meth:`Mover.fetch_rows`,
+:meth:`Mover.fetch_range`) before it computes the current one, so they travel
+while it computes; :meth:`Mover.take` makes compute wait for exactly the
+copy it needs. Destination-row slots are double-buffered, and neighbour rows
+of a step land in a staging area first and are moved into their slots of the
+transition buffer by compute itself (in-place slot reuse would otherwise race
+with the step still reading those slots). Events order everything; the batch
+loop neither synchronises with the host nor allocates host memory, except
+where a gradient flush must be added on the CPU (one flush behind the GPU).
+
+**Resident buffers.** When the "host" buffers were allocated on the device
+(resident mode, everything fits the budget) the same calls become device-local
+copies and gradients are added on the device; nothing crosses the host link and
+nothing is counted.
+
+Device staging areas are allocated once (sized by the largest chunk and the
+largest step load) and handed out as views.
 """
 
 from __future__ import annotations
 
 import contextlib
+import queue
+import threading
 import time
+import weakref
 from dataclasses import dataclass, fields
 
 import numba
@@ -28,10 +48,10 @@ from torch import Tensor
 
 from hongtu.engine.pinned import device_view
 
-__all__ = ["Mover", "Traffic"]
+__all__ = ["Mover", "Ticket", "Traffic"]
 
 
-@numba.njit(parallel=True, cache=True)
+@numba.njit(parallel=True, cache=True, nogil=True)
 def _scatter_add_rows(host, ids, vals):
     for i in numba.prange(ids.shape[0]):
         r = ids[i]
@@ -41,7 +61,10 @@ def _scatter_add_rows(host, ids, vals):
 
 @dataclass
 class Traffic:
-    """Bytes and rows moved in one epoch, by direction, and where the time went."""
+    """Bytes and rows moved in one epoch, by direction, and where the time went.
+
+    Times are per stream: with overlap they add up to more than the epoch.
+    """
 
     h2d_bytes: int = 0
     d2h_bytes: int = 0
@@ -53,17 +76,31 @@ class Traffic:
     time_d2h_s: float = 0.0
     time_d2d_s: float = 0.0
     time_cpu_s: float = 0.0
+    time_compute_s: float = 0.0
 
     def reset(self) -> None:
         for f in fields(self):
             setattr(self, f.name, type(getattr(self, f.name))(0))
 
-    def moving_s(self) -> float:
-        """Seconds spent moving data (transfers and CPU accumulation)."""
-        return self.time_h2d_s + self.time_d2h_s + self.time_d2d_s + self.time_cpu_s
-
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass
+class Ticket:
+    """Rows on their way to the device: :meth:`Mover.take` or :meth:`Mover.place` them.
+
+    Attributes:
+        value: the rows (a device staging view; valid once ``ready`` has passed).
+        ready: the event the copy records (``None``: ready already).
+        slots, buf: for neighbour rows, where they go in the transition buffer
+            (``None`` once they are there).
+    """
+
+    value: Tensor | None
+    ready: object = None
+    slots: Tensor | None = None
+    buf: Tensor | None = None
 
 
 class Mover:
@@ -71,118 +108,238 @@ class Mover:
 
     Args:
         device: the compute device.
-        slots: staging slot name -> the most rows it must hold (one slot per
-            input that is live at the same time as the others).
+        slots: destination-row slot name -> the most rows it must hold.
         max_width: the widest row (elements).
         dtype: element type of the buffers.
-        stage_rows: rows of the pinned host staging area (the most rows one
-            load or flush moves); default the largest slot.
-        timed: attribute time to transfers. On a GPU each transfer is
-            bracketed by CUDA events (no synchronisation in the batch loop);
-            :meth:`settle` reads them once per epoch.
+        timed: attribute time to transfers and compute. On a GPU each piece of
+            work is bracketed by CUDA events on its stream (no synchronisation
+            in the batch loop); :meth:`settle` reads them once per epoch.
+        stage_rows: the most rows one gradient flush moves (pinned staging).
+        load_rows: the most neighbour rows a step after the first loads (the
+            device staging area that lets them travel during the previous step).
+        overlap: run transfers on their own streams, one batch ahead; otherwise
+            everything runs on the current stream in program order.
     """
 
     def __init__(self, device: torch.device, slots: dict[str, int], max_width: int,
-                 dtype: torch.dtype, timed: bool = True, stage_rows: int = 0) -> None:
+                 dtype: torch.dtype, timed: bool = True, stage_rows: int = 0,
+                 load_rows: int = 0, overlap: bool = True) -> None:
         self.device = device
         self.dtype = dtype
         self.traffic = Traffic()
         self.cuda = device.type == "cuda"
         self.timed = timed
-        sizes = {s: max(int(rows) * int(max_width), 1) for s, rows in slots.items()}
-        self._dev = {s: torch.empty(n, dtype=dtype, device=device) for s, n in sizes.items()}
-        # Two pinned staging areas for gradient flushes: one receives a flush by
-        # DMA while the CPU adds the previous one (from the other) into host memory.
-        stage = max(max(sizes.values()), int(stage_rows) * int(max_width))
-        self._stages = ([torch.empty(stage, dtype=dtype, pin_memory=True) for _ in range(2)]
-                        if self.cuda else None)
+        self.overlap = overlap and self.cuda
+        w = int(max_width)
+        ring = 2 if self.overlap else 1
+        self._dev = {s: [torch.empty(max(int(r) * w, 1), dtype=dtype, device=device)
+                         for _ in range(ring)] for s, r in slots.items()}
+        self._turn = dict.fromkeys(slots, 0)
+        self._rows_stage = (torch.empty(max(int(load_rows) * w, 1), dtype=dtype, device=device)
+                            if self.overlap else None)
+        # Pinned staging areas for gradient flushes: they receive flushes by DMA
+        # while a worker thread adds earlier ones into host memory.
+        stage = max(max(r for r in slots.values()), int(stage_rows), 1) * w
+        self._stages = ([torch.empty(stage, dtype=dtype, pin_memory=True)
+                         for _ in range(_STAGES)] if self.cuda else None)
         self._flip = 0
-        self._pending: tuple | None = None
+        self._adder = _Adder(self.traffic) if self.cuda else None
+        if self._adder is not None:
+            weakref.finalize(self, self._adder.stop)
         self._views: dict[int, Tensor] = {}
         self._events: list = []
+        self.compute = self.s_in = self.s_out = None
+        if self.cuda:
+            self.compute = torch.cuda.current_stream(device)
+            self.s_in = torch.cuda.Stream(device) if self.overlap else self.compute
+            self.s_out = torch.cuda.Stream(device) if self.overlap else self.compute
         self.itemsize = torch.empty((), dtype=dtype).element_size()
 
-    def _slot(self, slot: str, rows: int, width: int) -> Tensor:
-        return self._dev[slot][: rows * width].view(rows, width)
-
+    # ------------------------------------------------------------- plumbing
     def _view(self, host: Tensor) -> Tensor | None:
-        """The zero-copy device view of a pinned host buffer (``None`` if not pinned)."""
+        """What the device reads ``host`` through: itself on CPU or when it is on
+        the device, its zero-copy device view when pinned, else ``None``."""
+        if not self.cuda or host.device.type == "cuda":
+            return host
         key = host.data_ptr()
         if key not in self._views:
             self._views[key] = device_view(host, self.device) if host.is_pinned() else None
         return self._views[key]
 
+    def _count(self, host: Tensor, direction: str, rows: int, width: int) -> None:
+        """Count rows crossing the host link (nothing when ``host`` lives on the device)."""
+        if self.cuda and host.device.type == "cuda":
+            return
+        t = self.traffic
+        setattr(t, f"{direction}_rows", getattr(t, f"{direction}_rows") + rows)
+        nbytes = rows * width * self.itemsize
+        setattr(t, f"{direction}_bytes", getattr(t, f"{direction}_bytes") + nbytes)
+
     @contextlib.contextmanager
-    def _timing(self, field: str):
+    def _on(self, stream):
+        """Run the enclosed work on ``stream`` (after what compute has issued so far)."""
+        if not self.cuda or stream is self.compute:
+            yield
+            return
+        stream.wait_stream(self.compute)
+        with torch.cuda.stream(stream):
+            yield
+
+    @contextlib.contextmanager
+    def timing(self, field: str, stream=None):
         """Add the time of the enclosed work to ``traffic.<field>``."""
         if not self.timed:
             yield
         elif self.cuda:
+            stream = self.compute if stream is None else stream
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start.record(stream)
             yield
-            end.record()
+            end.record(stream)
             self._events.append((field, start, end))
         else:
             t0 = time.perf_counter()
             yield
             setattr(self.traffic, field, getattr(self.traffic, field) + time.perf_counter() - t0)
 
+    def _ready_event(self, stream):
+        if not self.cuda or stream is self.compute:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    def barrier(self) -> None:
+        """Loads issued from now on see every store and compute issued so far.
+
+        Call at the start of a layer pass: it reads what the previous one wrote.
+        """
+        if self.overlap:
+            self.s_in.wait_stream(self.compute)
+            self.s_in.wait_stream(self.s_out)
+
+    def join(self) -> None:
+        """Compute waits for every transfer issued so far (the end of a pass)."""
+        if self.overlap:
+            self.compute.wait_stream(self.s_in)
+            self.compute.wait_stream(self.s_out)
+
     def settle(self) -> None:
         """Finish pending flushes, wait for the device, fold event times into ``traffic``."""
         self.drain()
-        if self._events:
-            torch.cuda.current_stream(self.device).synchronize()
-            for field, start, end in self._events:
-                setattr(self.traffic, field,
-                        getattr(self.traffic, field) + start.elapsed_time(end) / 1000.0)
-            self._events.clear()
+        if self.cuda:
+            self.join()
+            self.compute.synchronize()
+        for field, start, end in self._events:
+            setattr(self.traffic, field,
+                    getattr(self.traffic, field) + start.elapsed_time(end) / 1000.0)
+        self._events.clear()
 
     # ----------------------------------------------------------- host -> dev
-    def load_rows_into(self, host: Tensor, ids: Tensor, slots: Tensor, buf: Tensor) -> None:
-        """``buf[slots] = host[ids]``: rows from host into their buffer slots.
+    def fetch_rows(self, host: Tensor, ids: Tensor, slots: Tensor, buf: Tensor,
+                   direct: bool = False) -> Ticket:
+        """Start ``buf[slots] = host[ids]``; finish it with :meth:`place`.
 
-        ``ids`` (sorted) and ``slots`` are int64 tensors on the device.
+        ``ids`` (sorted) and ``slots`` are int64 tensors on the device. Rows go
+        to the staging area, unless ``direct`` (nothing in ``buf`` is in use:
+        the first step of a pass) or there is no overlap.
         """
         rows, width = int(ids.shape[0]), int(host.shape[1])
         if rows == 0:
-            return
-        with self._timing("time_h2d_s"):
-            view = self._view(host) if self.cuda else host
-            if view is not None:
-                buf.index_copy_(0, slots, view.index_select(0, ids))
-            else:  # unpinned host memory: gather on the CPU, then one copy
-                self.drain()  # the staging areas may still hold a flush
-                stage = self._stages[0][: rows * width].view(rows, width)
+            return Ticket(None)
+        self._count(host, "h2d", rows, width)
+        view = self._view(host)
+        if view is None:  # unpinned host memory: gather on the CPU, then one copy
+            self.drain()  # the staging areas may still hold a flush
+            stage = self._stages[0][: rows * width].view(rows, width)
+            with self.timing("time_h2d_s"):
                 torch.index_select(host, 0, ids.cpu(), out=stage)
                 buf.index_copy_(0, slots, stage.to(self.device, non_blocking=True))
-                torch.cuda.current_stream(self.device).synchronize()
-        self.traffic.h2d_rows += rows
-        self.traffic.h2d_bytes += rows * width * self.itemsize
+                self.compute.synchronize()
+            return Ticket(None)
+        if not self.overlap or direct:
+            with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
+                buf.index_copy_(0, slots, view.index_select(0, ids))
+            return Ticket(None, self._ready_event(self.s_in))
+        out = self._rows_stage[: rows * width].view(rows, width)
+        with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
+            torch.index_select(view, 0, ids, out=out)
+        return Ticket(out, self._ready_event(self.s_in), slots, buf)
+
+    def place(self, t: Ticket) -> None:
+        """Wait for a :meth:`fetch_rows` and put its rows into their slots (on compute)."""
+        self._wait(t)
+        if t.buf is not None:
+            t.buf.index_copy_(0, t.slots, t.value)
+
+    def fetch_range(self, host: Tensor, start: int, stop: int, slot: str) -> Ticket:
+        """Start copying ``host[start:stop]`` to the device; :meth:`take` gives it.
+
+        On the device the rows are a view of ``host`` itself (no copy). Slots
+        are double-buffered: a slot is refilled only after compute finished
+        with what it held two fetches ago.
+        """
+        rows, width = stop - start, int(host.shape[1])
+        if self.cuda and host.device.type == "cuda":
+            return Ticket(host[start:stop])
+        self._count(host, "h2d", rows, width)
+        k = self._turn[slot]
+        self._turn[slot] = (k + 1) % len(self._dev[slot])
+        out = self._dev[slot][k][: rows * width].view(rows, width)
+        with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
+            out.copy_(host[start:stop], non_blocking=True)
+        return Ticket(out, self._ready_event(self.s_in))
+
+    def fetch_block(self, block) -> Ticket:
+        """Start copying a chunk's :class:`~hongtu.nn.block.Block` (pinned) to the device.
+
+        Its bytes count as host→device traffic (no rows).
+        """
+        self.traffic.h2d_bytes += block.nbytes()
+        with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
+            dev = block.to(self.device, non_blocking=True)
+        return Ticket(dev, self._ready_event(self.s_in))
+
+    def take_block(self, t: Ticket):
+        """The block of a :meth:`fetch_block`; its memory is kept until compute is done."""
+        self._wait(t)
+        if self.overlap:
+            t.value.record_stream(self.compute)
+        return t.value
+
+    def take(self, t: Ticket) -> Tensor:
+        """The rows of a :meth:`fetch_range`, once compute may read them."""
+        self._wait(t)
+        return t.value
+
+    def _wait(self, t: Ticket) -> None:
+        if t.ready is not None:
+            self.compute.wait_event(t.ready)
+            t.ready = None
 
     def load_range(self, host: Tensor, start: int, stop: int, slot: str = "dst") -> Tensor:
-        """``host[start:stop]`` on the device (one contiguous copy)."""
-        rows, width = stop - start, int(host.shape[1])
-        out = self._slot(slot, rows, width)
-        with self._timing("time_h2d_s"):
-            out.copy_(host[start:stop], non_blocking=True)
-        self.traffic.h2d_rows += rows
-        self.traffic.h2d_bytes += rows * width * self.itemsize
-        return out
+        """``host[start:stop]`` on the device, now."""
+        return self.take(self.fetch_range(host, start, stop, slot))
 
     # ----------------------------------------------------------- dev -> host
     def store_range(self, host: Tensor, start: int, value: Tensor) -> None:
-        """``host[start:start+len(value)] = value``."""
+        """``host[start:start+len(value)] = value`` (on the store stream)."""
         rows = int(value.shape[0])
-        with self._timing("time_d2h_s"):
-            host[start:start + rows].copy_(value.detach(), non_blocking=True)
-        self.traffic.d2h_rows += rows
-        self.traffic.d2h_bytes += value.numel() * self.itemsize
+        self._count(host, "d2h", rows, int(value.shape[1]) if rows else 0)
+        value = value.detach()
+        with self._on(self.s_out), self.timing("time_d2h_s", self.s_out):
+            host[start:start + rows].copy_(value, non_blocking=True)
+        self._keep(value)
+
+    def _keep(self, value: Tensor) -> None:
+        """``value`` stays allocated until the store stream is done with it."""
+        if self.overlap:
+            value.record_stream(self.s_out)
 
     def exchange(self, comm, out: Tensor, out_counts: list[int], inp: Tensor,
                  in_counts: list[int]) -> None:
         """Device-to-device rows between ranks (all-to-all), counted as d2d."""
-        with self._timing("time_d2d_s"):
+        with self.timing("time_d2d_s"):
             comm.exchange(out, out_counts, inp, in_counts)
         rows = int(inp.shape[0])
         self.traffic.d2d_rows += rows
@@ -192,57 +349,139 @@ class Mover:
         """``host[start:start+len(value)] += value``."""
         self._flush(host, start, value.detach())
 
-    def flush_rows(self, host: Tensor, ids: np.ndarray, slots: Tensor, buf: Tensor) -> None:
+    def can_write(self, host: Tensor) -> bool:
+        """Can :meth:`write_rows` write into ``host`` (on CPU, or pinned host memory)?"""
+        return not self.cuda or (host.device.type == "cpu" and self._view(host) is not None)
+
+    def write_rows(self, host: Tensor, ids: Tensor, slots: Tensor, buf: Tensor) -> None:
+        """``host[ids] = buf[slots]``: compacted on the device, then scattered by the
+        GPU straight into pinned host memory (zero-copy, on the store stream)."""
+        rows = int(ids.shape[0])
+        if rows == 0:
+            return
+        self._count(host, "d2h", rows, int(buf.shape[1]))
+        value = buf.index_select(0, slots)
+        if not self.cuda:
+            host.index_copy_(0, ids, value)
+            return
+        with self._on(self.s_out), self.timing("time_d2h_s", self.s_out):
+            self._view(host).index_copy_(0, ids, value)
+        self._keep(value)
+
+    def flush_rows(self, host: Tensor, ids: np.ndarray, slots: Tensor, buf: Tensor,
+                   ids_dev: Tensor | None = None) -> None:
         """``host[ids] += buf[slots]``: gradients of rows leaving the device buffer.
 
-        ``ids`` (unique) is a host int64 array, ``slots`` a device tensor.
+        ``ids`` (unique) is a host int64 array, ``slots`` a device tensor;
+        ``ids_dev`` is ``ids`` on the device (needed when ``host`` is resident).
         """
         if ids.shape[0] == 0:
             return
-        with self._timing("time_d2h_s"):
-            value = buf.index_select(0, slots)
-        self._flush(host, ids, value)
+        if self.cuda and host.device.type == "cuda":
+            host.index_add_(0, ids_dev, buf.index_select(0, slots))
+            return
+        self._flush(host, ids, buf.index_select(0, slots))  # compacted on the device
 
     def _flush(self, host: Tensor, where, value: Tensor) -> None:
         """Add ``value`` into host rows ``where`` (an id array, or a start row).
 
-        On a GPU the rows are copied to pinned staging asynchronously and added
-        on the CPU at the *next* flush (or :meth:`drain`), so the CPU's work
-        overlaps the GPU's; on CPU they are added at once.
+        On a GPU the rows are copied to pinned staging on the store stream and
+        a worker thread adds them on the CPU once the copy is done, while this
+        thread goes on issuing GPU work (:meth:`drain` waits for it); on CPU
+        they are added at once.
         """
-        self.traffic.d2h_rows += int(value.shape[0])
-        self.traffic.d2h_bytes += value.numel() * self.itemsize
+        if self.cuda and host.device.type == "cuda":
+            host[where:where + value.shape[0]].add_(value)
+            return
+        self._count(host, "d2h", int(value.shape[0]), int(value.shape[1]))
         if not self.cuda:
             self._add(host, where, value.contiguous().numpy())
             return
-        stage = self._stages[self._flip][: value.numel()].view(value.shape)
-        with self._timing("time_d2h_s"):
+        k = self._flip
+        self._flip = (k + 1) % len(self._stages)
+        self._adder.wait_free(k)  # the add that last used this staging area is done
+        stage = self._stages[k][: value.numel()].view(value.shape)
+        with self._on(self.s_out), self.timing("time_d2h_s", self.s_out):
             stage.copy_(value, non_blocking=True)
+        self._keep(value)
         done = torch.cuda.Event()
-        done.record()
-        self.drain()
-        self._pending = (host, where, stage, done)
-        self._flip ^= 1
+        done.record(self.s_out)
+        self._adder.submit(k, host, where, stage, done)
 
     def drain(self) -> None:
-        """Finish the pending flush: wait for its copy, add it into host memory."""
-        if self._pending is None:
-            return
-        host, where, stage, done = self._pending
-        self._pending = None
-        done.synchronize()
-        self._add(host, where, stage.numpy())
+        """Wait until every flush so far has been added into host memory."""
+        if self._adder is not None:
+            self._adder.drain()
 
     def _add(self, host: Tensor, where, vals: np.ndarray) -> None:
-        with self._cpu_timing():
-            if isinstance(where, np.ndarray):
-                _scatter_add_rows(host.numpy(), where, vals.reshape(vals.shape[0], -1))
-            else:
-                rows = host[where:where + vals.shape[0]].numpy()
-                np.add(rows, vals.reshape(rows.shape), out=rows)
-
-    @contextlib.contextmanager
-    def _cpu_timing(self):
         t0 = time.perf_counter()
-        yield
+        _add_into(host, where, vals)
         self.traffic.time_cpu_s += time.perf_counter() - t0
+
+
+def _add_into(host: Tensor, where, vals: np.ndarray) -> None:
+    """``host[where] += vals`` (``where``: unique row ids, or the first row of a range)."""
+    if isinstance(where, np.ndarray):
+        _scatter_add_rows(host.numpy(), where, vals.reshape(vals.shape[0], -1))
+    else:
+        rows = host[where:where + vals.shape[0]].numpy()
+        np.add(rows, vals.reshape(rows.shape), out=rows)
+
+
+_STAGES = 3  # pinned flush staging areas (flushes in flight to the CPU adder)
+
+
+class _Adder:
+    """A worker thread that adds staged gradient flushes into host memory.
+
+    The numba kernel releases the GIL, so the adds run while the main thread
+    issues the next batches' GPU work. Adds run one at a time, in order.
+    """
+
+    def __init__(self, traffic: Traffic) -> None:
+        self.traffic = traffic  # CPU time is added to traffic.time_cpu_s
+        self.jobs: queue.Queue = queue.Queue()
+        self.free = [threading.Event() for _ in range(_STAGES)]
+        for f in self.free:
+            f.set()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="hongtu-adder", daemon=True)
+        self.thread.start()
+
+    def submit(self, k: int, host: Tensor, where, stage: Tensor, done) -> None:
+        self.free[k].clear()
+        self.jobs.put((k, host, where, stage, done))
+
+    def wait_free(self, k: int) -> None:
+        self.free[k].wait()
+        self._raise()
+
+    def drain(self) -> None:
+        self.jobs.join()
+        self._raise()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise err
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            k, host, where, stage, done = job
+            try:
+                if self.error is None:
+                    done.synchronize()
+                    t0 = time.perf_counter()
+                    _add_into(host, where, stage.numpy())
+                    self.traffic.time_cpu_s += time.perf_counter() - t0
+            except BaseException as exc:  # reported to the main thread at its next wait
+                self.error = exc
+            finally:
+                self.free[k].set()
+                self.jobs.task_done()

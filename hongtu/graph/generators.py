@@ -22,7 +22,7 @@ from numba import njit, prange
 from hongtu.graph._kernels import bucket_fill
 from hongtu.graph.graph import Graph, index_dtype
 
-__all__ = ["rmat_edges", "rmat_graph", "sbm_graph"]
+__all__ = ["rmat_edges", "rmat_graph", "rmat_sized_graph", "sbm_graph"]
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN, _MIX1, _MIX2 = (np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9,
@@ -317,13 +317,58 @@ def rmat_graph(scale: int, edge_factor: int = 16, num_features: int = 128, num_c
         src, dst = np.concatenate([src, dst]), np.concatenate([dst, src])
     indptr, indices = _csc(src, dst, n, dedup)
     del src, dst
+    return _with_data(indptr, indices, num_features, num_classes, seed, f"rmat-{scale}")
+
+
+def rmat_sized_graph(num_nodes: int, num_edges: int, num_features: int = 128,
+                     num_classes: int = 16, seed: int = 0, name: str | None = None) -> Graph:
+    r"""An R-MAT graph with exactly ``num_nodes`` vertices and ``num_edges`` edges.
+
+    Edges are drawn at the next power-of-two scale and those with an endpoint
+    beyond ``num_nodes`` (after Graph500's random relabelling) are dropped: the
+    graph is R-MAT induced on a random vertex subset, so it keeps R-MAT's skew.
+    The first ``num_edges`` kept edges are used; repeated edges are kept (each
+    is a message), which is what makes the edge count exact. Features, labels
+    and split as :func:`rmat_graph`.
+
+    Args:
+        num_nodes: vertex count.
+        num_edges: directed edge count.
+        num_features, num_classes, seed: as :func:`rmat_graph`.
+        name: the graph's name (default ``rmat-{num_nodes}-{num_edges}``).
+    """
+    _check(num_nodes >= 2 and num_edges >= 1, f"rmat_sized_graph needs num_nodes >= 2 and "
+           f"num_edges >= 1, got {num_nodes}, {num_edges}")
+    _check(num_classes >= 1, f"num_classes must be >= 1, got {num_classes}")
+    scale = int(np.ceil(np.log2(num_nodes)))
+    keep = (num_nodes / (1 << scale)) ** 2  # chance both endpoints are below num_nodes
+    factor = int(np.ceil(num_edges / keep * 1.01 / (1 << scale))) + 1
+    while True:
+        src, dst = rmat_edges(scale, factor, seed=seed)
+        kept = np.flatnonzero((src < num_nodes) & (dst < num_nodes))
+        if kept.shape[0] >= num_edges:
+            break
+        factor = int(np.ceil(factor * 1.05)) + 1  # rare: fewer kept than expected
+    kept = kept[:num_edges]
+    src, dst = src[kept].astype(index_dtype(num_nodes)), dst[kept].astype(index_dtype(num_nodes))
+    del kept
+    indptr, indices = _csc(src, dst, num_nodes, dedup=False)
+    del src, dst
+    return _with_data(indptr, indices, num_features, num_classes, seed,
+                      name or f"rmat-{num_nodes}-{num_edges}")
+
+
+def _with_data(indptr: np.ndarray, indices: np.ndarray, num_features: int, num_classes: int,
+               seed: int, name: str) -> Graph:
+    """A graph on this structure with uniform features, labels and a 60/20/20 split."""
+    n = indptr.shape[0] - 1
     order = _rng(seed, _S_SPLIT).permutation(n)
     n_train, n_val = int(0.6 * n), int(0.2 * n)
     train, val, test = _masks(n, [order[:n_train], order[n_train:n_train + n_val],
                                   order[n_train + n_val:]])
     return Graph(indptr=indptr, indices=indices, x=_uniform(seed, n, num_features),
                  y=_labels(seed, n, num_classes), train_mask=train, val_mask=val,
-                 test_mask=test, name=f"rmat-{scale}")
+                 test_mask=test, name=name)
 
 
 # ------------------------------------------------------------------ SBM

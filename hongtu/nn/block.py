@@ -98,6 +98,13 @@ class Block:
         """A copy with every tensor on ``device`` (the per-pass cache is dropped)."""
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
+    def record_stream(self, stream) -> None:
+        """Mark every tensor as used on ``stream`` (for blocks copied on another stream)."""
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, Tensor):
+                v.record_stream(stream)
+
     def pin_memory(self) -> Block:
         """A copy in pinned host memory, so copies to a GPU are DMA transfers."""
         return self._map(lambda t: t.pin_memory())

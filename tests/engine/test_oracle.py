@@ -41,7 +41,7 @@ def masks_of(g):
 
 def chunked_step(model: GNN, graph, parts: int, chunks: int, checkpoint: str, epoch: int = 3,
                  assignment=None, device: str = "cpu", reuse: bool = True, p2p: bool = True,
-                 reorg: bool = True):
+                 reorg: bool = True, overlap: bool = True, resident: bool = False):
     """One executor step on ``graph`` split into ``parts`` x ``chunks`` on ``device``."""
     if assignment is None:
         assignment = np.arange(graph.num_nodes) % parts
@@ -51,12 +51,12 @@ def chunked_step(model: GNN, graph, parts: int, chunks: int, checkpoint: str, ep
     cached = model.cached_layers(checkpoint)
     dev = torch.device(device)
     buf = HostBuffers(BufferPlan(g.num_nodes, model.widths(), cached), g.x,
-                      pin=dev.type == "cuda")
+                      pin=dev.type == "cuda", device=dev if resident else None)
     model.to(dev)
     _, plan = plan_batches(g.indptr, g.indices, p.chunk_ptr, parts, chunks, reuse=reuse,
                            p2p=p2p, reorg=reorg)
     ex = Executor(model, cs, buf, torch.from_numpy(g.y), masks_of(g), dev, plan.plans[0],
-                  checkpoint=checkpoint, seed=0)
+                  checkpoint=checkpoint, seed=0, overlap=overlap)
     ex.transfer_plan = plan
     res = ex.step(epoch)
     return res, g, ex
@@ -191,14 +191,44 @@ def test_evaluation_matches_full_graph_logits():
         assert res.correct[split] == int((pred[m] == g.y[m]).sum())
 
 
+@pytest.mark.parametrize("layer", LAYERS)
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_resident_arithmetic_on_cpu(layer, chunks, monkeypatch):
+    """The resident path (chunks read h^l and add into ∇h^l in place, no transition
+    buffer) checked on CPU: the executor is told its buffers are resident."""
+    orig = Executor.__init__
+
+    def resident_init(self, *a, **kw):
+        orig(self, *a, **kw)
+        self._direct = self.resident = True
+
+    monkeypatch.setattr(Executor, "__init__", resident_init)
+    graph = CASES["skewed"](seed=6)
+    model = make_model(layer)
+    res, g, _ = chunked_step(model, graph, 1, chunks, "auto")
+    ref_loss, ref_grads = reference_step(model, g)
+    assert_matches(model, res.loss, ref_loss, ref_grads)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layer", LAYERS)
 @pytest.mark.parametrize("checkpoint", ["auto", "recompute"])
-def test_cuda_step_equals_full_graph(layer, checkpoint):
-    """The GPU path (pinned buffers, zero-copy gathers, staged flushes) is exact too."""
+@pytest.mark.parametrize("mode", ["overlap", "serial", "resident", "resident-1"])
+def test_cuda_step_equals_full_graph(layer, checkpoint, mode):
+    """The GPU paths are exact too: pinned buffers with zero-copy gathers and staged
+    flushes, with transfers one batch ahead on their own streams or in program
+    order, and with every buffer resident on the device."""
     graph = CASES["skewed"](seed=3)
     model = make_model(layer)
-    res, g, ex = chunked_step(model, graph, 2, 3, checkpoint, device="cuda")
-    assert ex.buf.pinned
+    parts, chunks = (1, 1) if mode == "resident-1" else (2, 3)
+    _, _, on_cpu = chunked_step(copy.deepcopy(model), graph, parts, chunks, checkpoint)
+    res, g, ex = chunked_step(model, graph, parts, chunks, checkpoint, device="cuda",
+                              overlap=mode != "serial", resident=mode.startswith("resident"))
+    moved, expect = ex.mover.traffic, on_cpu.mover.traffic
+    if mode.startswith("resident"):
+        assert ex.resident and moved.h2d_bytes == moved.d2h_bytes == 0
+    else:
+        assert ex.buf.pinned and ex.mover.overlap == (mode == "overlap")
+        assert (moved.h2d_rows, moved.d2h_rows) == (expect.h2d_rows, expect.d2h_rows)
     ref_loss, ref_grads = reference_step(model, g)
     assert_matches(model, res.loss, ref_loss, ref_grads)

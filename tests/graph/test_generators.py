@@ -9,7 +9,7 @@ import pytest
 from hongtu.errors import UserError
 from hongtu.graph import Graph
 from hongtu.graph.datasets import BUILTIN_DATASETS, load_builtin
-from hongtu.graph.generators import rmat_edges, rmat_graph, sbm_graph
+from hongtu.graph.generators import rmat_edges, rmat_graph, rmat_sized_graph, sbm_graph
 
 
 def _edge_keys(g: Graph) -> tuple[np.ndarray, np.ndarray]:
@@ -134,6 +134,17 @@ def test_rmat_rejects_bad_parameters(kwargs):
 
 
 # ------------------------------------------------------------------ SBM
+def test_rmat_sized_graph_has_exact_counts_and_is_rmat_induced():
+    n, m = 3000, 50_000
+    g = rmat_sized_graph(n, m, num_features=5, num_classes=7, seed=2)
+    assert (g.num_nodes, g.num_edges, g.num_features) == (n, m, 5)
+    assert int(g.indices.max()) < n and int(g.y.max()) < 7
+    deg = g.in_degree()
+    assert deg.max() > 10 * deg.mean()  # R-MAT skew survives the induced subgraph
+    g2 = rmat_sized_graph(n, m, num_features=5, num_classes=7, seed=2)
+    assert np.array_equal(g.indptr, g2.indptr) and np.array_equal(g.indices, g2.indices)
+
+
 def test_sbm_structure():
     g = sbm_graph(2000, num_classes=5, num_features=16, avg_degree=10, seed=1)
     g.validate()

@@ -1,0 +1,309 @@
+"""The performance suite (issue 6): hongtu, its no-dedup Baseline, resident mode and
+PyG in memory, on one workload, in one run.
+
+Workloads (R-MAT structure, random features, self-loops added; repeated edges
+of the sized graphs are kept as messages so the edge counts are exact):
+
+* ``products-like``: 2.45M vertices, 62M edges, 100 features, 47 classes;
+* ``reddit-like``: 233K vertices, 115M edges, 602 features, 41 classes;
+* ``rmat22``: R-MAT scale 22 (4.2M vertices, ~64M edges), 128 features;
+* ``largest``: R-MAT at ``--scale`` (default 25), 128 features, hidden 128 —
+  sized to one GPU machine's host memory (128 GiB).
+
+Models: ``gcn2``, ``gcn3`` (hidden 256) and ``gat2`` (4 heads x 64 = 256).
+Systems: ``hongtu`` (dedup + reorg + overlap), ``baseline`` (no reuse, no P2P,
+no reorg), ``resident`` (every buffer on the device, HongTu-IM), ``pyg`` (PyG
+in memory: GCNConv on a torch CSR adjacency, GATConv on edge_index, or OOM).
+``NAME@N`` runs a hongtu system with ``engine.chunks=N`` instead of the budget.
+
+The out-of-core budget is ``--fraction`` (1/4) of the in-memory need: PyG's
+measured peak where PyG fits, else hongtu's resident need (its buffers plus
+one batch); GAT's budget is at most ``--gat-budget`` (24 GiB). Per system: the
+median epoch (training step) after one warm-up epoch, peak device memory,
+bytes each way, achieved rate against the pinned-copy peak measured in the
+same run, the time split per stream (host→device, device→host, device↔device,
+GPU compute, CPU accumulation; with overlap these add up to more than the
+epoch), the transfer lower bound (host bytes ÷ measured peak; the link is full
+duplex, so the larger direction) and the epoch's ratio to it, and the
+preprocessing time (partition + plan + reorg + setup) against 100 epochs.
+
+Run (GPU machine), one workload per command::
+
+    python bench/bench_suite.py products-like
+    python bench/bench_suite.py rmat22 --systems hongtu,baseline,hongtu@32,baseline@32,pyg
+
+Prints a table per model and writes ``bench/results/suite_<workload>_<device>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from common import RESULTS, device_name, file_tag, pinned_copy_peak, pyg_run
+
+from hongtu.config import config_from_dict, format_size, parse_size
+from hongtu.engine.budget import chunk_sizes, estimate_device_bytes
+from hongtu.engine.buffers import BufferPlan
+from hongtu.engine.trainer import Trainer
+from hongtu.graph.datasets import BUILTIN_DATASETS, BuiltinDataset
+from hongtu.graph.generators import rmat_graph, rmat_sized_graph
+from hongtu.graph.transforms import add_self_loops
+from hongtu.nn.model import build_model
+
+WORKLOADS = {
+    "products-like": dict(nodes=2_450_000, edges=62_000_000, features=100, classes=47,
+                          hidden=256),
+    "reddit-like": dict(nodes=233_000, edges=115_000_000, features=602, classes=41, hidden=256),
+    "rmat22": dict(scale=22, features=128, classes=16, hidden=256),
+    "largest": dict(scale=25, features=128, classes=16, hidden=128),
+}
+MODELS = {"gcn2": ("gcn", 2), "gcn3": ("gcn", 3), "gat2": ("gat", 2)}
+GAT_HEADS = 4
+SYSTEMS = {
+    "hongtu": {"dedup": {"reuse": True, "p2p": True}, "reorg": True, "resident": False},
+    "baseline": {"dedup": {"reuse": False, "p2p": False}, "reorg": False, "resident": False},
+    "serial": {"dedup": {"reuse": True, "p2p": True}, "reorg": True, "resident": False,
+               "overlap": False},
+    "resident": {"dedup": {"reuse": True, "p2p": True}, "reorg": True, "resident": True},
+}
+
+
+def make_graph(name: str, scale: int | None):
+    w = WORKLOADS[name]
+    if "nodes" in w:
+        g = rmat_sized_graph(w["nodes"], w["edges"], w["features"], w["classes"], seed=0,
+                             name=name)
+    else:
+        g = rmat_graph(scale or w["scale"], 16, w["features"], w["classes"], seed=0)
+        g.name = name
+    return add_self_loops(g)
+
+
+def model_cfg(model: str, hidden: int) -> dict:
+    layer, layers = MODELS[model]
+    if layer == "gat":
+        return {"layer": "gat", "layers": layers, "hidden": hidden // GAT_HEADS,
+                "heads": GAT_HEADS, "out_heads": 1, "dropout": 0.5}
+    return {"layer": layer, "layers": layers, "hidden": hidden, "dropout": 0.5}
+
+
+def in_memory_need(graph, mcfg: dict) -> int:
+    """hongtu's estimate of training in memory: every buffer plus one whole-graph batch."""
+    model = build_model(config_from_dict({"model": mcfg}).model, graph.num_features,
+                        graph.num_classes)
+    ptr = np.array([0, graph.num_nodes], dtype=np.int64)
+    batch = estimate_device_bytes(model, chunk_sizes(graph, np.arange(graph.num_nodes), ptr),
+                                  num_nodes=graph.num_nodes, overlap=False, resident=True)
+    return batch + BufferPlan(graph.num_nodes, model.widths(), model.cached_layers("auto"),
+                              4).resident_bytes()
+
+
+def hongtu_run(key: str, mcfg: dict, system: str, budget: int | None, args, peak) -> dict:
+    name, _, chunks = system.partition("@")
+    cfg = config_from_dict({
+        "data": {"path": f"builtin:{key}", "undirected": False, "self_loops": False},
+        "model": mcfg,
+        "train": {"epochs": args.epochs, "seed": 0},
+        "engine": {"chunks": int(chunks) if chunks else "auto", "partitioner": "range",
+                   "device_memory": "auto" if (chunks or name == "resident" or not budget)
+                   else budget, "cache_dir": str(Path(args.workdir) / "cache"),
+                   **SYSTEMS[name]},
+        "output": {"dir": str(Path(args.workdir) / "run")},
+    })
+    print(f"--- {system}", flush=True)
+    try:
+        tr = Trainer(cfg, overwrite=True, out=lambda s: print(s, flush=True))
+    except Exception as exc:  # a system that cannot run is a result, not a crash
+        return {"status": f"{type(exc).__name__}: {exc}"}
+    passes = _time_passes(tr.executor)
+    recs = []
+    try:
+        for e in range(args.epochs):
+            recs.append(tr.run_epoch(e, evaluate=False))  # the training step, as PyG's
+            r = recs[-1]
+            print(f"epoch {e}: {r['epoch_s']:.3f} s, loss {r['loss']:.4f}, "
+                  f"h2d {format_size(r['h2d_bytes'])}, d2h {format_size(r['d2h_bytes'])}, "
+                  f"peak {format_size(r['peak_device_bytes'])}", flush=True)
+    except torch.cuda.OutOfMemoryError as exc:
+        return {"status": f"OOM: {str(exc).splitlines()[0]}"}
+    steady = recs[1:] or recs
+    med = statistics.median(r["epoch_s"] for r in steady)
+    last = steady[-1]
+    out = {"status": "ok", "chunks": tr.partition.num_chunks, "resident": tr.resident,
+           "budget_bytes": cfg.engine.device_memory, "estimate_bytes": tr.estimate,
+           "preprocess_s": tr.preprocess_s, **tr.setup_times,
+           "pass_s": {k: statistics.median(v[1:] or v) for k, v in passes.items()},
+           "epoch_s": [r["epoch_s"] for r in recs], "median_epoch_s": med,
+           "loss": [r["loss"] for r in recs],
+           "peak_device_bytes": max(r["peak_device_bytes"] for r in steady),
+           **{k: last[k] for k in last
+              if k.endswith(("_bytes", "_rows")) and k != "peak_device_bytes"},
+           "time_split_s": {k: statistics.median(r[k] for r in steady)
+                            for k in last if k.startswith("time_")},
+           "plan_rows_per_layer_pass": {"v_ori": tr.transfer_plan.v_ori,
+                                        "v_ru": tr.transfer_plan.v_ru,
+                                        "loaded": tr.transfer_plan.h2d_rows}}
+    # the issue's preprocessing: partition + plan + reorg (the plan includes reorg)
+    out["preprocess_over_100_epochs"] = (out["partition_s"] + out["plan_s"]) / (100 * med)
+    out["setup_over_100_epochs"] = out["preprocess_s"] / (100 * med)
+    if peak.get("h2d"):
+        lb_h2d, lb_d2h = last["h2d_bytes"] / peak["h2d"], last["d2h_bytes"] / peak["d2h"]
+        out["lower_bound_s"] = max(lb_h2d, lb_d2h)
+        out["lower_bound_serial_s"] = lb_h2d + lb_d2h
+        out["over_lower_bound"] = med / out["lower_bound_s"] if out["lower_bound_s"] else None
+        out["achieved_h2d_gbps"] = last["h2d_bytes"] / med / 1e9
+        out["achieved_d2h_gbps"] = last["d2h_bytes"] / med / 1e9
+    del tr
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
+def _time_passes(ex) -> dict:
+    """Wrap the executor's forward and backward to time each pass (synchronising around it)."""
+    times: dict = {"forward": [], "backward": []}
+
+    def wrap(name):
+        fn = getattr(ex, name)
+
+        def timed_pass(*a, **kw):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            res = fn(*a, **kw)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - t0)
+            return res
+
+        setattr(ex, name, timed_pass)
+
+    wrap("forward")
+    wrap("backward")
+    return times
+
+
+def warm_up(args) -> None:
+    """Compile the numba kernels once (they are cached on disk, as after a user's first run)."""
+    cfg = config_from_dict({
+        "data": {"path": "builtin:rmat-16"}, "model": {"hidden": 16},
+        "train": {"epochs": 1}, "engine": {"chunks": 4, "partitioner": "range",
+                                           "cache_dir": str(Path(args.workdir) / "cache")},
+        "output": {"dir": str(Path(args.workdir) / "warmup")}})
+    t0 = time.perf_counter()
+    Trainer(cfg, overwrite=True, out=lambda s: None).run_epoch(0)
+    print(f"warm-up (kernel compilation) {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def table(model: str, runs: dict) -> str:
+    head = ("system", "chunks", "epoch s", "xLB", "peak dev", "h2d", "d2h", "GB/s in",
+            "t_h2d", "t_d2h", "t_d2d", "t_gpu", "t_cpu", "fwd s", "bwd s", "prep s")
+    lines = [f"== {model}", "".join(f"{h:>11}" if i else f"{h:<14}" for i, h in enumerate(head))]
+    for s, r in runs.items():
+        if r.get("status") != "ok":
+            lines.append(f"{s:<14}{r.get('status')}")
+            continue
+        if s == "pyg":
+            lines.append(f"{s:<14}{'-':>11}{r['median_epoch_s']:>11.3f}{'-':>11}"
+                         f"{format_size(r['peak_device_bytes'] or 0):>11}")
+            continue
+        t = r["time_split_s"]
+        lb = r.get("over_lower_bound")
+        vals = [r["chunks"], f"{r['median_epoch_s']:.3f}", f"{lb:.2f}" if lb else "-",
+                format_size(r["peak_device_bytes"]), format_size(r["h2d_bytes"]),
+                format_size(r["d2h_bytes"]), f"{r.get('achieved_h2d_gbps', 0):.1f}",
+                *(f"{t.get(k, 0):.3f}" for k in ("time_h2d_s", "time_d2h_s", "time_d2d_s",
+                                                 "time_compute_s", "time_cpu_s")),
+                f"{r['pass_s']['forward']:.3f}", f"{r['pass_s']['backward']:.3f}",
+                f"{r['partition_s'] + r['plan_s']:.1f}"]
+        lines.append(f"{s:<14}" + "".join(f"{v!s:>11}" for v in vals))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("workload", choices=sorted(WORKLOADS))
+    ap.add_argument("--models", default="gcn2,gcn3,gat2")
+    ap.add_argument("--systems", default="hongtu,baseline,resident,pyg")
+    ap.add_argument("--epochs", type=int, default=4, help="epochs per system (first is warm-up)")
+    ap.add_argument("--scale", type=int, default=None, help="R-MAT scale of rmat22/largest")
+    ap.add_argument("--fraction", type=float, default=0.25,
+                    help="out-of-core budget as a fraction of the in-memory need")
+    ap.add_argument("--gat-budget", default="24GiB", help="GAT's budget at most this")
+    ap.add_argument("--workdir", default="/tmp/hongtu_suite")
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    warm_up(args)
+    t0 = time.perf_counter()
+    graph = make_graph(args.workload, args.scale)
+    gen_s = time.perf_counter() - t0
+    print(f"{args.workload}: {graph.num_nodes:,} vertices, {graph.num_edges:,} edges "
+          f"(self-loops included), {graph.num_features} features, {graph.num_classes} classes "
+          f"(generated in {gen_s:.1f} s)", flush=True)
+    # Every hongtu run below reads this graph through the built-in registry.
+    BUILTIN_DATASETS[args.workload] = BuiltinDataset(args.workload, lambda: graph)
+    peak = pinned_copy_peak(device)
+    if peak["h2d"]:
+        print(f"pinned copy peak: h2d {peak['h2d'] / 1e9:.1f} GB/s, "
+              f"d2h {peak['d2h'] / 1e9:.1f} GB/s", flush=True)
+    hidden = WORKLOADS[args.workload]["hidden"]
+    result = {"device": device_name(), "workload": args.workload,
+              "num_nodes": graph.num_nodes, "num_edges": graph.num_edges,
+              "num_features": graph.num_features, "num_classes": graph.num_classes,
+              "generate_s": gen_s, "pinned_peak_bytes_per_s": peak, "models": {}}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"suite_{args.workload}_{file_tag(result['device'])}.json"
+    systems = args.systems.split(",")
+    for model in args.models.split(","):
+        mcfg = model_cfg(model, hidden)
+        layer, layers = MODELS[model]
+        runs: dict = {}
+        if "pyg" in systems:
+            print(f"--- pyg ({model})", flush=True)
+            runs["pyg"] = pyg_run(graph, layer, layers, hidden, args.epochs, device,
+                                  heads=GAT_HEADS)
+        pyg = runs.get("pyg", {})
+        if pyg.get("status") == "ok" and pyg.get("peak_device_bytes"):
+            need, need_from = pyg["peak_device_bytes"], "PyG measured peak"
+        else:
+            need, need_from = in_memory_need(graph, mcfg), "hongtu estimate, in memory"
+        budget = int(need * args.fraction)
+        if layer == "gat":
+            budget = min(budget, parse_size(args.gat_budget))
+        print(f"{model}: in-memory need {format_size(need)} ({need_from}); out-of-core "
+              f"budget {format_size(budget)}", flush=True)
+        for s in systems:
+            if s != "pyg":
+                runs[s] = hongtu_run(args.workload, mcfg, s, budget, args, peak)
+        info = {"model": mcfg, "in_memory_need_bytes": need, "in_memory_need_from": need_from,
+                "budget_bytes": budget, "runs": runs}
+        ok = {k: v for k, v in runs.items() if v.get("status") == "ok"}
+        for a, b in (("baseline", "hongtu"), ("baseline@32", "hongtu@32"), ("serial", "hongtu")):
+            if a in ok and b in ok:
+                info[f"{a}_over_{b}"] = ok[a]["median_epoch_s"] / ok[b]["median_epoch_s"]
+        if "resident" in ok and "pyg" in ok:
+            info["resident_over_pyg"] = (ok["resident"]["median_epoch_s"]
+                                         / ok["pyg"]["median_epoch_s"])
+        result["models"][model] = info
+        print(table(model, runs), flush=True)
+        print(json.dumps({k: v for k, v in info.items() if k.endswith(("_over_hongtu",
+                                                                      "_over_pyg"))}), flush=True)
+        path.write_text(json.dumps(result, indent=2))  # after every model: partial results kept
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

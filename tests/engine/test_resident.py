@@ -1,0 +1,54 @@
+"""Resident mode (HongTu-IM): every buffer on the device when it fits the budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from hongtu.cli import main
+from hongtu.config import load_config
+from hongtu.engine.trainer import Trainer
+from tests.conftest import REPO
+
+CFG = str(REPO / "configs" / "gcn_example.yaml")
+
+
+def trainer(tmp_path, *overrides) -> Trainer:
+    cfg = load_config(CFG, [f"output.dir={tmp_path}", f"engine.cache_dir={tmp_path}/cache",
+                            "engine.partitioner=range", "model.hidden=16", *overrides])
+    return Trainer(cfg, overwrite=True, out=lambda s: None)
+
+
+def test_resident_true_on_cpu_is_a_clear_error(tmp_path, capsys):
+    code = main(["train", CFG, f"output.dir={tmp_path}", "engine.accelerator=cpu",
+                 "engine.resident=true", "-q"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "engine.resident=true" in err[0] and "auto" in err[0]
+    assert not (tmp_path / "model.pt").exists()
+
+
+def test_cpu_runs_out_of_core_with_resident_auto(tmp_path):
+    tr = trainer(tmp_path, "engine.accelerator=cpu")
+    assert not tr.resident and not tr.executor.resident
+
+
+@pytest.mark.gpu
+def test_resident_auto_when_it_fits_and_same_losses_as_out_of_core(tmp_path):
+    res = trainer(tmp_path / "a", "engine.accelerator=cuda")
+    assert res.resident and res.executor.resident
+    ooc = trainer(tmp_path / "b", "engine.accelerator=cuda", "engine.resident=false",
+                  "engine.chunks=4")
+    assert not ooc.resident
+    for e in range(3):
+        a, b = res.run_epoch(e), ooc.run_epoch(e)
+        assert a["h2d_bytes"] == 0 and b["h2d_bytes"] > 0
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (e, a["loss"], b["loss"])
+
+
+@pytest.mark.gpu
+def test_resident_true_that_does_not_fit_is_a_clear_error(tmp_path):
+    from hongtu.errors import UserError
+
+    with pytest.raises(UserError, match=r"engine\.resident=true"):
+        trainer(tmp_path, "engine.accelerator=cuda", "engine.resident=true",
+                "engine.device_memory=1MiB")
