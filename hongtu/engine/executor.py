@@ -188,10 +188,12 @@ class Executor:
     def _fetch_block(self, c: int):
         """Chunk ``c``'s block, or (blocks not resident) a ticket for its copy."""
         block = self._blocks[c]
-        return self.mover.fetch_block(block) if self._copy_blocks else block
+        return self.mover.fetch_block(block) if self._copy_blocks and block is not None else block
 
     def _take_block(self, fetched) -> Block:
-        return fetched if isinstance(fetched, Block) else self.mover.take_block(fetched)
+        if fetched is None or isinstance(fetched, Block):
+            return fetched
+        return self.mover.take_block(fetched)
 
     def _sources(self, l: int, q: int, block: Block, tbuf: Tensor) -> Tensor:
         """``h^l[N_c]``: from the transition buffer, or (resident) from ``h^l`` itself."""
