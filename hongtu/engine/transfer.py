@@ -8,8 +8,10 @@ algorithm and the counters are identical in both modes.
 On a GPU, host buffers are pinned in place; neighbour rows are gathered by the
 GPU straight from them through a device view (zero-copy, sorted ids),
 contiguous ranges move by DMA, and gradients leaving the device are compacted
-on the GPU, copied to a pinned staging area and added into the host buffer by
-a parallel numba kernel (ids of one flush are unique, so rows never collide).
+on the GPU, then either written by the GPU straight into pinned host memory (a
+row's first flush in a pass, :meth:`Mover.write_rows`) or copied to pinned
+staging and added into the host buffer by a parallel numba kernel on a worker
+thread (ids of one flush are unique, so rows never collide).
 
 **Overlap.** Work runs on three CUDA streams: host→device loads on one,
 device→host stores and flushes on another, compute on the caller's current
@@ -20,8 +22,8 @@ copy it needs. Destination-row slots are double-buffered, and neighbour rows
 of a step land in a staging area first and are moved into their slots of the
 transition buffer by compute itself (in-place slot reuse would otherwise race
 with the step still reading those slots). Events order everything; the batch
-loop neither synchronises with the host nor allocates host memory, except
-where a gradient flush must be added on the CPU (one flush behind the GPU).
+loop neither synchronises with the host nor allocates host memory; it waits
+only when all pinned staging areas still hold flushes the CPU has not added.
 
 **Resident buffers.** When the "host" buffers were allocated on the device
 (resident mode, everything fits the budget) the same calls become device-local
