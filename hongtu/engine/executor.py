@@ -57,7 +57,7 @@ class _PlanOnDevice:
     """A :class:`DevicePlan`'s index arrays on the compute device, sliced per step."""
 
     def __init__(self, plan: DevicePlan, device: torch.device, row0: int = 0,
-                 resident: bool = False, num_rows: int = 0) -> None:
+                 num_rows: int = 0) -> None:
         def dev(a: np.ndarray, shift: int = 0) -> Tensor:
             return torch.from_numpy(np.asarray(a, dtype=np.int64) - shift).to(device)
 
@@ -157,8 +157,7 @@ class Executor:
         widths = model.widths()
         self.comm = comm
         self.resident = buffers.h[1].device.type == "cuda"
-        self.plan = _PlanOnDevice(plan, device, chunks.row0, self.resident,
-                                  buffers.h[0].shape[0])
+        self.plan = _PlanOnDevice(plan, device, chunks.row0, buffers.h[0].shape[0])
         # Staging for destination rows (none when the buffers are on the device:
         # a range is then a view of them).
         max_dst = 0 if self.resident else chunks.max_rows()[1]

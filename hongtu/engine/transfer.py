@@ -319,10 +319,6 @@ class Mover:
             self.compute.wait_event(t.ready)
             t.ready = None
 
-    def load_range(self, host: Tensor, start: int, stop: int, slot: str = "dst") -> Tensor:
-        """``host[start:stop]`` on the device, now."""
-        return self.take(self.fetch_range(host, start, stop, slot))
-
     # ----------------------------------------------------------- dev -> host
     def store_range(self, host: Tensor, start: int, value: Tensor) -> None:
         """``host[start:start+len(value)] = value`` (on the store stream)."""
