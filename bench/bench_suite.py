@@ -11,10 +11,13 @@ of the sized graphs are kept as messages so the edge counts are exact):
   sized to one GPU machine's host memory (128 GiB).
 
 Models: ``gcn2``, ``gcn3`` (hidden 256) and ``gat2`` (4 heads x 64 = 256).
-Systems: ``hongtu`` (dedup + reorg + overlap), ``baseline`` (no reuse, no P2P,
-no reorg), ``resident`` (every buffer on the device, HongTu-IM), ``pyg`` (PyG
-in memory: GCNConv on a torch CSR adjacency, GATConv on edge_index, or OOM).
-``NAME@N`` runs a hongtu system with ``engine.chunks=N`` instead of the budget.
+Systems: ``hongtu`` (dedup + reorg + overlap, spare budget keeps reused rows),
+``baseline`` (no reuse, no P2P, no reorg), ``resident`` (every buffer on the
+device, HongTu-IM), ``pyg`` (PyG in memory: GCNConv on a torch CSR adjacency,
+GATConv on edge_index, or OOM); ``serial`` (hongtu without overlap) and
+``nocache`` (hongtu without kept rows) isolate one feature each. ``NAME@N``
+runs a hongtu system with ``engine.chunks=N`` (same budget) instead of the
+fewest chunks that fit.
 
 The out-of-core budget is ``--fraction`` (1/4) of the in-memory need: PyG's
 measured peak where PyG fits, else hongtu's resident need (its buffers plus
@@ -73,6 +76,8 @@ SYSTEMS = {
     "serial": {"dedup": {"reuse": True, "p2p": True}, "reorg": True, "resident": False,
                "overlap": False},
     "resident": {"dedup": {"reuse": True, "p2p": True}, "reorg": True, "resident": True},
+    "nocache": {"dedup": {"reuse": True, "p2p": True, "cache": False}, "reorg": True,
+                "resident": False},
 }
 
 
@@ -113,8 +118,7 @@ def hongtu_run(key: str, mcfg: dict, system: str, budget: int | None, args, peak
         "model": mcfg,
         "train": {"epochs": args.epochs, "seed": 0},
         "engine": {"chunks": int(chunks) if chunks else "auto", "partitioner": "range",
-                   "device_memory": "auto" if (chunks or name == "resident" or not budget)
-                   else budget, "cache_dir": str(Path(args.workdir) / "cache"),
+                   "device_memory": "auto" if (name == "resident" or not budget) else budget, "cache_dir": str(Path(args.workdir) / "cache"),
                    **SYSTEMS[name]},
         "output": {"dir": str(Path(args.workdir) / "run")},
     })
@@ -150,7 +154,8 @@ def hongtu_run(key: str, mcfg: dict, system: str, budget: int | None, args, peak
                             for k in last if k.startswith("time_")},
            "plan_rows_per_layer_pass": {"v_ori": tr.transfer_plan.v_ori,
                                         "v_ru": tr.transfer_plan.v_ru,
-                                        "loaded": tr.transfer_plan.h2d_rows}}
+                                        "loaded": tr.transfer_plan.h2d_rows,
+                                        "kept": tr.transfer_plan.cached_rows}}
     # the preprocessing: partition + plan + reorg (the plan includes reorg)
     out["preprocess_over_100_epochs"] = (out["partition_s"] + out["plan_s"]) / (100 * med)
     out["setup_over_100_epochs"] = out["preprocess_s"] / (100 * med)
@@ -290,7 +295,8 @@ def main() -> int:
         info = {"model": mcfg, "in_memory_need_bytes": need, "in_memory_need_from": need_from,
                 "budget_bytes": budget, "runs": runs}
         ok = {k: v for k, v in runs.items() if v.get("status") == "ok"}
-        for a, b in (("baseline", "hongtu"), ("baseline@32", "hongtu@32"), ("serial", "hongtu")):
+        for a, b in (("baseline", "hongtu"), ("baseline@32", "hongtu@32"), ("serial", "hongtu"),
+                     ("nocache", "hongtu"), ("nocache@32", "hongtu@32")):
             if a in ok and b in ok:
                 info[f"{a}_over_{b}"] = ok[a]["median_epoch_s"] / ok[b]["median_epoch_s"]
         if "resident" in ok and "pyg" in ok:

@@ -137,6 +137,8 @@ class DedupConfig:
 
     reuse: bool = _f(True, "keep rows shared by consecutive batches on the device")
     p2p: bool = _f(True, "share rows between GPUs over the device link")
+    cache: bool = _f(True, "GPU, out of core: spend spare device memory keeping the most "
+                           "reused rows on the device across batches")
 
 
 #: Throughputs (GB/s) that ``auto`` falls back to without a calibration file

@@ -145,7 +145,12 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
                  compare: bool = True) -> _Setting:
     """Partition, order and plan ``m x n`` chunks as training would (``compare``: every
     reorganizer candidate's volumes too, else only what ``engine.reorg`` needs)."""
-    from hongtu.engine.budget import chunk_sizes, estimate_device_bytes
+    from hongtu.engine.budget import (
+        chunk_sizes,
+        estimate_device_bytes,
+        resident_block_bytes,
+        spare_rows,
+    )
 
     e = ctx["engine"]
     part = chunk_partition(graph, assignment, n, num_parts=m, method=e.partitioner,
@@ -165,10 +170,22 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
                           reuse=e.dedup.reuse, p2p=e.dedup.p2p, devices=ctx["devices"],
                           row_bytes=rb, neighbours=nb)
     sizes = chunk_sizes(graph, part.perm, part.chunk_ptr)
-    need = estimate_device_bytes(ctx["model"], sizes, ctx["itemsize"], num_nodes=graph.num_nodes,
-                                 buffer_rows=max(p.buffer_rows for p in plan.plans),
-                                 overlap=e.overlap,
-                                 load_rows=max(p.max_later_load for p in plan.plans))
+
+    def need_of(plan: TransferPlan) -> int:
+        return estimate_device_bytes(
+            ctx["model"], sizes, ctx["itemsize"], num_nodes=graph.num_nodes,
+            buffer_rows=max(p.buffer_rows for p in plan.plans), overlap=e.overlap,
+            load_rows=max(p.max_later_load for p in plan.plans))
+
+    need = need_of(plan)
+    # As training does: the budget the plan leaves keeps reused rows resident.
+    extra, _ = spare_rows(ctx["budget"], need, resident_block_bytes(sizes, ctx["itemsize"]),
+                          max(ctx["model"].widths()), ctx["itemsize"])
+    if e.dedup.cache and extra > 0:
+        plan = plan_transfers(g.indptr, g.indices, part.chunk_ptr, m, n, order=order,
+                              reuse=e.dedup.reuse, p2p=e.dedup.p2p, devices=ctx["devices"],
+                              row_bytes=rb, neighbours=nb, cache_rows=extra)
+        need = need_of(plan)
     return _Setting(part, plan, name, candidates, need)
 
 
@@ -275,7 +292,8 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
                               cache_dir=e.cache_dir)
     budget, n, chunks_how = _budget_and_chunks(cfg, graph, assignment, m, model, notes)
     ctx = {"engine": e, "seed": cfg.train.seed, "throughput": tp, "devices": e.devices,
-           "row_bytes": itemsize * max(widths), "model": model, "itemsize": itemsize}
+           "row_bytes": itemsize * max(widths), "model": model, "itemsize": itemsize,
+           "budget": budget}
     main = _plan_chunks(graph, assignment, m, n, ctx)
     t["plan_s"] = time.perf_counter() - t0
 
@@ -398,6 +416,9 @@ def _transfer_section(d: dict) -> list[str]:
     lines = ["", "predicted transfers of one training step (plan: batch order "
              f"'{d['volumes']['chosen']}'; loads {p['h2d_rows'] / n:.3f} |V| rows per pass, "
              f"flushes {p['d2h_rows'] / n:.3f} |V|)"]
+    if p.get("cached_rows"):
+        lines.append(f"  the budget left after the plan keeps {p['cached_rows']:,} reused rows "
+                     "on the device across batches (engine.dedup.cache)")
     rows = [("layer", "width", "cached", "forward", "bwd reload", "grad flush", "aggregates",
              "ranges", "C / pass", "passes")]
     for x, cl, ps in zip(t["layers"], c["per_layer_pass_s"], c["passes"]):

@@ -16,11 +16,11 @@ from hongtu.calibrate import resolve_throughput
 from hongtu.config import load_config
 from hongtu.dedup import TransferPlan, plan_transfers
 from hongtu.dedup.sets import identity_order
-from hongtu.engine.trainer import load_data
+from hongtu.engine.trainer import Trainer, load_data
 from hongtu.errors import UserError
 from hongtu.partition import partition_graph, partition_stats
 from hongtu.reorg import reorganize
-from hongtu.report import build_report
+from hongtu.report import build_report, format_report
 from tests.conftest import REPO
 
 CONFIG = str(REPO / "configs" / "gcn_example.yaml")
@@ -118,7 +118,6 @@ def test_alpha_skips_part_counts_above_half_the_vertices(tmp_path):
     ["model.layer=gat", "model.heads=2", "model.hidden=8", "engine.partitioner=random"],
 ], ids=["gcn-cached", "sage-no-reuse", "gat-recomputed"])
 def test_predicted_bytes_equal_what_the_engine_moves(tmp_path, extra):
-    from hongtu.engine.trainer import Trainer
 
     cfg = load_config(CONFIG, base(tmp_path, f"output.dir={tmp_path / 'run'}", *extra))
     epoch = build_report(cfg, parts_list=[], chunks_list=[]).data["transfers"]["epoch"]
@@ -140,7 +139,9 @@ def _midpoint_budget(tmp_path) -> int:
 
 def test_memory_table_marks_fit_and_the_chosen_count(tmp_path):
     budget = _midpoint_budget(tmp_path)
-    cfg = load_config(CONFIG, base(tmp_path, f"engine.device_memory={budget}"))
+    # (Without kept rows: with them the spare budget of 16 chunks buys back the traffic.)
+    cfg = load_config(CONFIG, base(tmp_path, f"engine.device_memory={budget}",
+                                   "engine.dedup.cache=false"))
     d = build_report(cfg, parts_list=[]).data
     rows = {r["chunks"]: r for r in d["memory"]["rows"]}
     assert set(rows) == {1, 2, 4, 8, 16}  # n = 4 and about n/4, n/2, 2n, 4n
@@ -150,6 +151,25 @@ def test_memory_table_marks_fit_and_the_chosen_count(tmp_path):
     assert rows[16]["fits"] and not rows[1]["fits"]
     assert rows[16]["neighbour_bytes"] > rows[1]["neighbour_bytes"]  # ... more host traffic
     assert d["memory"]["suggested_chunks"] == min(k for k, r in rows.items() if r["fits"])
+
+
+def test_spare_budget_keeps_rows_as_training_does(tmp_path):
+    budget = _midpoint_budget(tmp_path)
+    args = [f"engine.device_memory={budget}", "engine.chunks=16"]
+    plain = build_report(load_config(CONFIG, base(tmp_path, *args, "engine.dedup.cache=false")),
+                         parts_list=[], chunks_list=[16])
+    rep = build_report(load_config(CONFIG, base(tmp_path, *args)), parts_list=[],
+                       chunks_list=[16])
+    kept = rep.data["volumes"]["plan"]["cached_rows"]
+    assert plain.data["volumes"]["plan"]["cached_rows"] == 0 < kept
+    assert rep.data["memory"]["rows"][0]["device_bytes"] <= budget
+    ep, ep0 = rep.data["transfers"]["epoch"], plain.data["transfers"]["epoch"]
+    assert ep["neighbour_bytes"] < ep0["neighbour_bytes"]
+    assert f"keeps {kept:,} reused rows" in format_report(rep.data)
+    cfg = load_config(CONFIG, base(tmp_path, *args))
+    trainer = Trainer(cfg, overwrite=True, out=lambda _: None)
+    assert trainer.transfer_plan.cached_rows == kept  # same plan as the report's
+    assert trainer.run_epoch(0, evaluate=False)["h2d_bytes"] == ep["h2d_bytes"]
 
 
 def test_chunks_auto(tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from hongtu.dedup import _kernels as K
+from hongtu.dedup.cache import keep_reused_rows
 from hongtu.dedup.sets import (
     check_order,
     neighbour_sets,
@@ -140,7 +141,8 @@ def plan_transfers(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarra
                    num_parts: int, num_chunks: int, order: np.ndarray | None = None,
                    reuse: bool = True, p2p: bool = True, devices: int = 1,
                    row_bytes: int | None = None,
-                   neighbours: tuple[np.ndarray, np.ndarray] | None = None) -> TransferPlan:
+                   neighbours: tuple[np.ndarray, np.ndarray] | None = None,
+                   cache_rows: int = 0) -> TransferPlan:
     r"""Plan the deduplicated host↔device transfers of one pass.
 
     Resident set of device ``d`` at step ``s`` (the rows it keeps in its own
@@ -154,7 +156,11 @@ def plan_transfers(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarra
       ``N_c`` (no sharing at all: without reuse the host traffic is ``V_ori``).
 
     With ``reuse`` rows resident at step ``s-1`` and ``s`` stay in their slot;
-    without it every step reloads its whole resident set.
+    without it every step reloads its whole resident set. With ``reuse``,
+    shared sets and ``cache_rows > 0``, each device may also keep up to
+    ``cache_rows`` more rows through the steps that do not read them (the
+    most reused first, see :mod:`hongtu.dedup.cache`): they are loaded and
+    flushed once per run of steps instead of once per run of reads.
 
     Args:
         indptr: int64 in-edge CSC offsets of the renumbered graph.
@@ -168,6 +174,8 @@ def plan_transfers(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarra
         devices: 1 or ``m`` (device ``d`` owns part ``d``); default 1.
         row_bytes: bytes per row, for the ``*_bytes`` volumes.
         neighbours: precomputed :func:`neighbour_sets` ``(ptr, ids)``.
+        cache_rows: slots each device may add to keep reused rows resident
+            across steps (0: none).
 
     Returns:
         The :class:`~hongtu.dedup.types.TransferPlan`.
@@ -205,6 +213,10 @@ def plan_transfers(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarra
     slot_dtype = np.int32 if 2 * num_nodes + 1 < np.iinfo(np.int32).max else _I64
     shared = p2p or m == 1
     exchange = shared and devices > 1
+    kept = 0
+    if shared and reuse and cache_rows > 0:
+        t_ptr, t_ids, kept = keep_reused_rows(t_ptr, t_ids, num_nodes, int(cache_rows),
+                                              part_ptr if exchange else None)
     nb_cut = _cuts(nb_ptr, nb_ids, part_ptr) if exchange else None
     t_cut = _cuts(t_ptr, t_ids, part_ptr) if exchange else None
     flat = order.ravel()
@@ -248,7 +260,8 @@ def plan_transfers(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarra
     h2d = sum(int(p.load_ids.shape[0]) for p in plans)
     return TransferPlan(
         num_nodes=num_nodes, num_parts=m, num_chunks=n, devices=int(devices), reuse=bool(reuse),
-        p2p=bool(p2p), order=order, part_ptr=part_ptr, plans=plans, v_ori=vol.v_ori,
+        p2p=bool(p2p), order=order, part_ptr=part_ptr, plans=plans, cached_rows=kept,
+        v_ori=vol.v_ori,
         v_p2p=vol.v_p2p, v_ru=vol.v_ru, h2d_rows=h2d,
         d2d_rows=sum(int(p.send_ids.shape[0]) for p in plans),
         d2h_rows=sum(int(p.flush_ids.shape[0]) for p in plans), row_bytes=row_bytes)

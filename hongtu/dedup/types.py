@@ -149,6 +149,8 @@ class TransferPlan:
         part_ptr: int64 ``(m+1,)``; part ``i`` owns ids
             ``[part_ptr[i], part_ptr[i+1])``.
         plans: one :class:`DevicePlan` per device.
+        cached_rows: rows kept on their device through steps that do not
+            read them (spare-memory caching; 0 without it).
         v_ori, v_p2p, v_ru: rows per pass without dedup, with p2p, with
             p2p and reuse (independent of this plan's flags).
         h2d_rows: rows this plan loads from host per pass.
@@ -166,6 +168,7 @@ class TransferPlan:
     order: np.ndarray
     part_ptr: np.ndarray
     plans: list[DevicePlan] = field(default_factory=list)
+    cached_rows: int = 0
     v_ori: int = 0
     v_p2p: int = 0
     v_ru: int = 0
@@ -196,6 +199,7 @@ class TransferPlan:
         if self.row_bytes is not None:
             out.update({k.replace("rows", "bytes") if k.endswith("rows") else k + "_bytes":
                         v * int(self.row_bytes) for k, v in list(out.items())})
+        out["cached_rows"] = int(self.cached_rows)
         return out
 
     # ------------------------------------------------------------------ npz
@@ -206,6 +210,7 @@ class TransferPlan:
                 "h2d_rows", "d2d_rows", "d2h_rows")}
         out["reuse"] = np.asarray(bool(self.reuse))
         out["p2p"] = np.asarray(bool(self.p2p))
+        out["cached_rows"] = np.asarray(int(self.cached_rows))
         out["row_bytes"] = np.asarray(-1 if self.row_bytes is None else int(self.row_bytes))
         out["order"] = self.order
         out["part_ptr"] = self.part_ptr
@@ -228,6 +233,7 @@ class TransferPlan:
                 v = np.asarray(data[f"dev{d}.{f.name}"])
                 kw[f.name] = int(v) if f.name in _SCALARS else v
             plans.append(DevicePlan(**kw))
-        return cls(reuse=bool(data["reuse"]), p2p=bool(data["p2p"]),
+        cached = int(data["cached_rows"]) if "cached_rows" in data else 0
+        return cls(reuse=bool(data["reuse"]), p2p=bool(data["p2p"]), cached_rows=cached,
                    order=np.asarray(data["order"]), part_ptr=np.asarray(data["part_ptr"]),
                    plans=plans, row_bytes=None if rb < 0 else rb, **scalar)

@@ -29,7 +29,7 @@ from hongtu.partition import chunk_partition
 from hongtu.partition._kernels import distinct_sources
 
 __all__ = ["CHUNK_CANDIDATES", "ChunkSizes", "choose_chunks", "chunk_sizes",
-           "estimate_device_bytes", "resident_block_bytes"]
+           "estimate_device_bytes", "resident_block_bytes", "spare_rows"]
 
 CHUNK_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512,
                     768, 1024, 1536, 2048, 4096)
@@ -112,6 +112,21 @@ def resident_block_bytes(sizes: ChunkSizes, itemsize: int = 4) -> int:
     """Device bytes of every chunk's block kept resident, with its cached edge data."""
     e, src, dst = sizes.num_edges, sizes.num_src, sizes.num_dst
     return int((e * (3 * 8 + itemsize + 8) + (src + dst) * (8 + itemsize) + src * 8).sum())
+
+
+def spare_rows(room: int | None, need: int, blocks: int, row_width: int,
+               itemsize: int = 4) -> tuple[int, bool]:
+    """What the budget left after a plan buys: ``(rows to keep resident, blocks fit)``.
+
+    Chunk blocks stay on the device first, when all of them fit next to the
+    plan's ``need``; each kept row then costs a slot of the row buffer and of
+    its gradient twin (``row_width`` elements each). No budget: nothing kept.
+    """
+    if room is None:
+        return 0, True
+    blocks_fit = need + blocks <= room
+    spare = room - need - (blocks if blocks_fit else 0)
+    return max(0, int(spare) // (2 * int(row_width) * int(itemsize))), blocks_fit
 
 
 def choose_chunks(graph: Graph, assignment: np.ndarray, num_parts: int, model: GNN,

@@ -55,6 +55,15 @@ class Comm:
             g.copy_(flat[o:o + g.numel()].view_as(g))
             o += g.numel()
 
+    def min_int(self, value: int) -> int:
+        """The smallest ``value`` over ranks (so that every rank plans alike)."""
+        nccl = dist.get_backend() == "nccl"
+        t = torch.tensor([int(value)], dtype=torch.int64,
+                         device=torch.device("cuda", torch.cuda.current_device()) if nccl
+                         else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
     def barrier(self) -> None:
         dist.barrier()
 

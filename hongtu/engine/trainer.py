@@ -31,6 +31,7 @@ from hongtu.engine.budget import (
     chunk_sizes,
     estimate_device_bytes,
     resident_block_bytes,
+    spare_rows,
 )
 from hongtu.engine.buffers import BufferPlan, HostBuffers
 from hongtu.engine.checkpoint import CHECKPOINT, atomic_torch_save, load_checkpoint, save_checkpoint
@@ -183,16 +184,29 @@ class Trainer:
         self.graph = g
         t_plan = time.perf_counter()
         tp = resolve_throughput(e)  # the same cost model hongtu report shows
+
+        def estimate(dplan) -> int:
+            return estimate_device_bytes(
+                self.model, sizes, itemsize, num_nodes=b - a, buffer_rows=dplan.buffer_rows,
+                overlap=e.overlap, load_rows=dplan.max_later_load, resident=self.resident)
+
+        blocks = resident_block_bytes(sizes, itemsize)
+        self.blocks_fit = True
+
+        def cache_rows(tplan) -> int:
+            """Rows the budget left after this plan keeps resident across batches."""
+            extra, self.blocks_fit = spare_rows(self.room, estimate(tplan.plans[rank]), blocks,
+                                                max(self.model.widths()), itemsize)
+            extra = extra if e.dedup.cache and not self.resident else 0
+            return self.comm.min_int(extra) if self.comm else extra  # one plan for all ranks
+
         self.order, self.transfer_plan = plan_batches(
             g.indptr, g.indices, self.partition.chunk_ptr, parts, chunks,
             reuse=e.dedup.reuse, p2p=e.dedup.p2p, reorg=e.reorg, devices=world,
             row_bytes=itemsize * max(self.model.widths()), t_hd=tp["host_to_device"],
-            t_dd=tp["device_to_device"], t_ru=tp["reuse"])
+            t_dd=tp["device_to_device"], t_ru=tp["reuse"], cache_rows=cache_rows)
         self.plan_s = time.perf_counter() - t_plan
-        dplan = self.transfer_plan.plans[rank]
-        self.estimate = estimate_device_bytes(
-            self.model, sizes, itemsize, num_nodes=b - a, buffer_rows=dplan.buffer_rows,
-            overlap=e.overlap, load_rows=dplan.max_later_load, resident=self.resident)
+        self.estimate = estimate(self.transfer_plan.plans[rank])
         if self.room is not None and self.estimate > self.room:
             raise UserError(f"the transfer plan's buffers need about "
                             f"{format_size(self.estimate)} on the device but "
@@ -212,13 +226,11 @@ class Trainer:
             return torch.from_numpy(mask[a:b].copy())
 
         masks = {k: own(getattr(g, f"{k}_mask")) for k in ("train", "val", "test")}
-        blocks_fit = self.room is None or (
-            self.estimate + resident_block_bytes(sizes, itemsize) <= self.room)
         self.executor = Executor(
             self.model, self.chunks, buffers,
             torch.from_numpy(np.asarray(g.y[a:b], dtype=np.int64)), masks, self.device,
             self.transfer_plan.plans[rank], e.checkpoint, cfg.train.seed,
-            resident_blocks=blocks_fit, comm=self.comm, num_train=int(np.sum(g.train_mask)),
+            resident_blocks=self.blocks_fit, comm=self.comm, num_train=int(np.sum(g.train_mask)),
             overlap=e.overlap)
         self.optimizer = self._optimizer()
         self.preprocess_s = time.perf_counter() - t0
@@ -299,6 +311,9 @@ class Trainer:
                      f"V_+p2p {tp.v_p2p / n:.3f}, V_+ru {tp.v_ru / n:.3f}; this plan loads "
                      f"{tp.h2d_rows / n:.3f} (reuse={tp.reuse}, p2p={tp.p2p}, "
                      f"reorg={self.cfg.engine.reorg}; planned in {self.plan_s:.2f} s)")
+        if tp.cached_rows:
+            transfers += (f"\nspare device memory keeps {tp.cached_rows} reused rows on the "
+                          "device across batches (engine.dedup.cache)")
         return (f"graph {self.graph.name}: {self.graph.num_nodes} vertices, "
                 f"{self.graph.num_edges} edges, {self.model.widths()[0]} features, "
                 f"{self.num_classes} classes\n"

@@ -20,12 +20,17 @@ increases :math:`C`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numba
 import numpy as np
 
 from hongtu.dedup._kernels import parallel_kernel
+
+if TYPE_CHECKING:
+    from hongtu.dedup import TransferPlan
 from hongtu.dedup.sets import (
     Volumes,
     check_order,
@@ -317,12 +322,16 @@ def reorganize(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarray,
 def plan_batches(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarray,
                  num_parts: int, num_chunks: int, *, reuse: bool = True, p2p: bool = True,
                  reorg: bool = True, devices: int = 1, row_bytes: int | None = None,
-                 t_hd: float = T_HD, t_dd: float = T_DD, t_ru: float = T_RU):
+                 t_hd: float = T_HD, t_dd: float = T_DD, t_ru: float = T_RU,
+                 cache_rows: Callable[[TransferPlan], int] | None = None):
     """Batch order (reorganised or identity) and the transfer plan that executes it.
 
     The one call the engine's setup makes: neighbour sets are computed once
     and shared by the reorganizer and the planner. ``t_hd``, ``t_dd``,
     ``t_ru`` are the cost model's throughputs in bytes/s (see :func:`cost`).
+    ``cache_rows``, given the plan without kept rows, returns how many more
+    slots each device may use to keep reused rows resident across batches;
+    when positive the plan is made again with them (same order).
 
     Returns:
         ``(order, plan)``: the ``(n, m)`` batch order and its
@@ -336,7 +345,11 @@ def plan_batches(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarray,
                            row_bytes=row_bytes, t_hd=t_hd, t_dd=t_dd, t_ru=t_ru)
     else:
         order = identity_order(num_parts, num_chunks)
-    plan = plan_transfers(indptr, indices, chunk_ptr, num_parts, num_chunks, order=order,
-                          reuse=reuse, p2p=p2p, devices=devices, row_bytes=row_bytes,
-                          neighbours=nb)
+    args = dict(order=order, reuse=reuse, p2p=p2p, devices=devices, row_bytes=row_bytes,
+                neighbours=nb)
+    plan = plan_transfers(indptr, indices, chunk_ptr, num_parts, num_chunks, **args)
+    extra = int(cache_rows(plan)) if cache_rows is not None else 0
+    if extra > 0:
+        plan = plan_transfers(indptr, indices, chunk_ptr, num_parts, num_chunks,
+                              cache_rows=extra, **args)
     return order, plan

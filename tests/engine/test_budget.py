@@ -45,3 +45,37 @@ def test_no_chunk_count_fits_is_a_clear_error():
     model = make_model("gcn")
     with pytest.raises(UserError, match=r"too small.*raise engine\.device_memory"):
         choose_chunks(graph, np.zeros(graph.num_nodes, dtype=np.int64), 1, model, 1000)
+
+
+def test_spare_budget_keeps_reused_rows_with_the_same_losses(tmp_path):
+    from tests.engine.test_resident import trainer
+
+    common = ("engine.accelerator=cpu", "engine.chunks=8", "engine.device_memory=1GiB")
+    plain = trainer(tmp_path / "a", *common, "engine.dedup.cache=false")
+    kept = trainer(tmp_path / "b", *common)
+    assert plain.transfer_plan.cached_rows == 0 < kept.transfer_plan.cached_rows
+    assert kept.transfer_plan.h2d_rows < plain.transfer_plan.h2d_rows
+    assert kept.estimate <= kept.room
+    assert kept.transfer_plan.volumes()["v_ru"] == plain.transfer_plan.v_ru
+    for e in range(2):
+        a, b = plain.run_epoch(e), kept.run_epoch(e)
+        assert b["h2d_bytes"] < a["h2d_bytes"] and b["d2h_bytes"] < a["d2h_bytes"]
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (e, a["loss"], b["loss"])
+
+
+def test_kept_rows_fit_the_budget_they_were_given(tmp_path):
+    from tests.engine.test_resident import trainer
+
+    base = trainer(tmp_path / "a", "engine.accelerator=cpu", "engine.chunks=8",
+                   "engine.device_memory=1GiB", "engine.dedup.cache=false")
+    # Room for more rows than the plan needs (and than the estimate made before
+    # planning, which counts a whole buffer of staging): some kept, within budget.
+    row = 2 * max(base.model.widths()) * 4
+    budget = base.estimate + 2000 * row
+    tr = trainer(tmp_path / "b", "engine.accelerator=cpu", "engine.chunks=8",
+                 f"engine.device_memory={budget}B")
+    assert tr.transfer_plan.cached_rows > 0
+    assert tr.estimate <= budget
+    grow = max(p.num_slots for p in tr.transfer_plan.plans) - \
+        max(p.num_slots for p in base.transfer_plan.plans)
+    assert 0 < grow <= 2000

@@ -41,8 +41,10 @@ def masks_of(g):
 
 def chunked_step(model: GNN, graph, parts: int, chunks: int, checkpoint: str, epoch: int = 3,
                  assignment=None, device: str = "cpu", reuse: bool = True, p2p: bool = True,
-                 reorg: bool = True, overlap: bool = True, resident: bool = False):
-    """One executor step on ``graph`` split into ``parts`` x ``chunks`` on ``device``."""
+                 reorg: bool = True, overlap: bool = True, resident: bool = False,
+                 cache_rows: int = 0):
+    """One executor step on ``graph`` split into ``parts`` x ``chunks`` on ``device``
+    (``cache_rows``: spare slots for rows kept across batches)."""
     if assignment is None:
         assignment = np.arange(graph.num_nodes) % parts
     p = chunk_partition(graph, assignment, chunks, num_parts=parts)
@@ -54,7 +56,7 @@ def chunked_step(model: GNN, graph, parts: int, chunks: int, checkpoint: str, ep
                       pin=dev.type == "cuda", device=dev if resident else None)
     model.to(dev)
     _, plan = plan_batches(g.indptr, g.indices, p.chunk_ptr, parts, chunks, reuse=reuse,
-                           p2p=p2p, reorg=reorg)
+                           p2p=p2p, reorg=reorg, cache_rows=lambda _: cache_rows)
     ex = Executor(model, cs, buf, torch.from_numpy(g.y), masks_of(g), dev, plan.plans[0],
                   checkpoint=checkpoint, seed=0, overlap=overlap)
     ex.transfer_plan = plan
@@ -149,6 +151,25 @@ def test_counted_rows_equal_the_plan(flags, checkpoint):
     assert t.d2h_rows == (L - 1) * plan.d2h_rows + (L - 1) * n + stores
 
 
+@pytest.mark.parametrize("layer", LAYERS)
+@pytest.mark.parametrize("parts", [1, 3])
+def test_rows_kept_across_batches_do_not_change_the_step(layer, parts):
+    """Rows kept through the batches that do not read them (spare memory) are
+    loaded once, and their gradients flushed once, with the same step."""
+    graph = CASES["skewed"](seed=6)
+    model = make_model(layer)
+    _, _, plain = chunked_step(copy.deepcopy(model), graph, parts, 6, "recompute")
+    res, g, ex = chunked_step(model, graph, parts, 6, "recompute", cache_rows=4)
+    plan = ex.transfer_plan
+    assert plan.cached_rows > 0 and plan.h2d_rows < plain.transfer_plan.h2d_rows
+    saved = plain.transfer_plan.h2d_rows - plan.h2d_rows
+    L = model.num_layers
+    # every pass loads the neighbour rows (recompute: forward and backward)
+    assert plain.mover.traffic.h2d_rows - ex.mover.traffic.h2d_rows == 2 * L * saved
+    ref_loss, ref_grads = reference_step(model, g)
+    assert_matches(model, res.loss, ref_loss, ref_grads)
+
+
 def test_cached_and_recompute_paths_move_different_rows():
     """The hybrid reloads aggregates instead of neighbour rows in backward."""
     graph = CASES["halo_heavy"](seed=0)
@@ -213,17 +234,22 @@ def test_resident_arithmetic_on_cpu(layer, chunks, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("layer", LAYERS)
 @pytest.mark.parametrize("checkpoint", ["auto", "recompute"])
-@pytest.mark.parametrize("mode", ["overlap", "serial", "resident", "resident-1"])
+@pytest.mark.parametrize("mode", ["overlap", "serial", "kept", "resident", "resident-1"])
 def test_cuda_step_equals_full_graph(layer, checkpoint, mode):
     """The GPU paths are exact too: pinned buffers with zero-copy gathers and staged
     flushes, with transfers one batch ahead on their own streams or in program
-    order, and with every buffer resident on the device."""
+    order, with rows kept across batches, and with every buffer resident on the
+    device."""
     graph = CASES["skewed"](seed=3)
     model = make_model(layer)
-    parts, chunks = (1, 1) if mode == "resident-1" else (2, 3)
-    _, _, on_cpu = chunked_step(copy.deepcopy(model), graph, parts, chunks, checkpoint)
+    parts, chunks = {"resident-1": (1, 1), "kept": (2, 6)}.get(mode, (2, 3))
+    kept = 4 if mode == "kept" else 0
+    _, _, on_cpu = chunked_step(copy.deepcopy(model), graph, parts, chunks, checkpoint,
+                                cache_rows=kept)
     res, g, ex = chunked_step(model, graph, parts, chunks, checkpoint, device="cuda",
-                              overlap=mode != "serial", resident=mode.startswith("resident"))
+                              overlap=mode != "serial", resident=mode.startswith("resident"),
+                              cache_rows=kept)
+    assert (ex.transfer_plan.cached_rows > 0) == (mode == "kept")
     moved, expect = ex.mover.traffic, on_cpu.mover.traffic
     if mode.startswith("resident"):
         assert ex.resident and moved.h2d_bytes == moved.d2h_bytes == 0
