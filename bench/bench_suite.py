@@ -118,7 +118,8 @@ def hongtu_run(key: str, mcfg: dict, system: str, budget: int | None, args, peak
         "model": mcfg,
         "train": {"epochs": args.epochs, "seed": 0},
         "engine": {"chunks": int(chunks) if chunks else "auto", "partitioner": "range",
-                   "device_memory": "auto" if (name == "resident" or not budget) else budget, "cache_dir": str(Path(args.workdir) / "cache"),
+                   "device_memory": "auto" if (name == "resident" or not budget) else budget,
+                   "cache_dir": str(Path(args.workdir) / "cache"),
                    **SYSTEMS[name]},
         "output": {"dir": str(Path(args.workdir) / "run")},
     })

@@ -7,15 +7,19 @@ the positions of its neighbours ``N_ij`` (sorted global ids) and the transpose.
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from hongtu.graph import Graph
-from hongtu.nn.block import Block, build_block
+from hongtu.nn.block import Block, block_scratch, build_block
 
 __all__ = ["ChunkSet"]
+
+_MAX_WORKERS = 8
 
 
 @dataclass
@@ -48,10 +52,20 @@ class ChunkSet:
         """
         in_deg = graph.in_degree()
         n = num_chunks
-        mine = range(num_parts * n) if part is None else range(part * n, (part + 1) * n)
-        blocks = [build_block(graph.indptr, graph.indices, in_deg, int(chunk_ptr[c]),
-                              int(chunk_ptr[c + 1]), dtype) if c in mine else None
-                  for c in range(num_parts * n)]
+        mine = list(range(num_parts * n) if part is None else range(part * n, (part + 1) * n))
+        blocks: list[Block | None] = [None] * (num_parts * n)
+        # Blocks are cut by a numba kernel that releases the GIL: a few threads,
+        # each with its own |V| scratch, build them side by side.
+        workers = max(1, min(len(mine), os.cpu_count() or 1, _MAX_WORKERS))
+
+        def build(group: list[int]) -> None:
+            scratch = block_scratch(graph.num_nodes)
+            for c in group:
+                blocks[c] = build_block(graph.indptr, graph.indices, in_deg, int(chunk_ptr[c]),
+                                        int(chunk_ptr[c + 1]), dtype, scratch=scratch)
+
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(build, [mine[w::workers] for w in range(workers)]))
         row0 = 0 if part is None else int(chunk_ptr[part * n])
         return cls(blocks, num_parts, n, np.asarray(chunk_ptr, dtype=np.int64), row0)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 import torch
 from torch import Tensor
@@ -53,6 +54,26 @@ class StepResult:
         return self.correct[split] / t if t else float("nan")
 
 
+@numba.njit(cache=True)
+def _first_flushes_first(ids, ptr, seen, order, split):
+    """Per step, the positions of rows flushed for the first time in the pass, then the
+    others (each group in plan order); ``split[s]`` ends step ``s``'s first group.
+    Marks every flushed row in ``seen``."""
+    for s in range(ptr.shape[0] - 1):
+        o = ptr[s]
+        for t in range(ptr[s], ptr[s + 1]):
+            if not seen[ids[t]]:
+                order[o] = t
+                o += 1
+        split[s] = o
+        for t in range(ptr[s], ptr[s + 1]):
+            if seen[ids[t]]:
+                order[o] = t
+                o += 1
+        for t in range(ptr[s], ptr[s + 1]):
+            seen[ids[t]] = True
+
+
 class _PlanOnDevice:
     """A :class:`DevicePlan`'s index arrays on the compute device, sliced per step."""
 
@@ -68,16 +89,15 @@ class _PlanOnDevice:
         # was added there yet): order each step's flushes first-ones first.
         ids = np.asarray(plan.flush_ids, dtype=np.int64) - row0
         ptr = np.asarray(plan.flush_ptr, dtype=np.int64)
-        first = np.zeros(ids.shape[0], dtype=bool)
-        first[np.unique(ids, return_index=True)[1]] = True
-        order = np.lexsort((~first, np.repeat(np.arange(ptr.shape[0] - 1), np.diff(ptr))))
+        seen = np.zeros(max(num_rows, int(ids.max()) + 1 if ids.size else 0), dtype=np.bool_)
+        order = np.empty(ids.shape[0], dtype=np.int64)
+        self.flush_split = np.empty(ptr.shape[0] - 1, dtype=np.int64)
+        _first_flushes_first(ids, ptr, seen, order, self.flush_split)
         self.flush_ids = ids[order]  # for host adds
         self.flush_slots = dev(np.asarray(plan.flush_slots)[order])
         self.flush_ids_dev = dev(self.flush_ids)
-        counted = np.concatenate([[0], np.cumsum(first)])
-        self.flush_split = ptr[:-1] + counted[ptr[1:]] - counted[ptr[:-1]]
         #: rows no flush writes (they must be zeroed when first flushes are written)
-        self.unflushed = np.setdiff1d(np.arange(num_rows, dtype=np.int64), ids)
+        self.unflushed = np.flatnonzero(~seen[:num_rows])
         self.chunk_slots = dev(plan.chunk_slots)
         self.send_slots = dev(plan.send_slots)
         self.send_counts = plan.send_counts.tolist()

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+import numba
 import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["Block", "build_block"]
+__all__ = ["Block", "block_scratch", "build_block"]
 
 
 @dataclass
@@ -124,9 +125,61 @@ class Block:
                    if isinstance(getattr(self, f.name), Tensor))
 
 
+@numba.njit(nogil=True, cache=True)
+def _block_arrays(indptr, indices, dst_start, dst_stop, pos):
+    """Local CSR and transpose of destinations ``[dst_start, dst_stop)``.
+
+    ``pos`` (``|V|``, all ``-1``) is scratch, left as found. Sources are the
+    distinct ``indices`` of the range, sorted; the transpose is a stable
+    counting sort of the edges by source (edges of a source in CSR order).
+    """
+    e0, e1 = indptr[dst_start], indptr[dst_stop]
+    num_e = e1 - e0
+    uniq = np.empty(num_e, dtype=np.int64)
+    k = 0
+    for e in range(e0, e1):
+        u = indices[e]
+        if pos[u] == -1:
+            pos[u] = -2
+            uniq[k] = u
+            k += 1
+    src_ids = np.sort(uniq[:k])
+    for i in range(k):
+        pos[src_ids[i]] = i
+    local = np.empty(num_e, dtype=np.int64)
+    for e in range(num_e):
+        local[e] = pos[indices[e0 + e]]
+    for i in range(k):
+        pos[src_ids[i]] = -1
+    num_dst = dst_stop - dst_start
+    row_ptr = np.empty(num_dst + 1, dtype=np.int64)
+    for d in range(num_dst + 1):
+        row_ptr[d] = indptr[dst_start + d] - e0
+    t_indptr = np.zeros(k + 1, dtype=np.int64)
+    for e in range(num_e):
+        t_indptr[local[e] + 1] += 1
+    for i in range(k):
+        t_indptr[i + 1] += t_indptr[i]
+    fill = t_indptr[:-1].copy()
+    t_perm = np.empty(num_e, dtype=np.int64)
+    t_indices = np.empty(num_e, dtype=np.int64)
+    for d in range(num_dst):
+        for e in range(row_ptr[d], row_ptr[d + 1]):
+            q = fill[local[e]]
+            fill[local[e]] += 1
+            t_perm[q] = e
+            t_indices[q] = d
+    return src_ids, local, row_ptr, t_indptr, t_perm, t_indices
+
+
+def block_scratch(num_nodes: int) -> np.ndarray:
+    """Scratch for :func:`build_block` (one per thread building blocks)."""
+    return np.full(num_nodes, -1, dtype=np.int32 if num_nodes < 2**31 else np.int64)
+
+
 def build_block(indptr: np.ndarray, indices: np.ndarray, in_deg: np.ndarray,
                 dst_start: int, dst_stop: int, dtype: torch.dtype = torch.float32,
-                src_ids: np.ndarray | None = None) -> Block:
+                src_ids: np.ndarray | None = None, scratch: np.ndarray | None = None) -> Block:
     """Cut the block of destinations ``[dst_start, dst_stop)`` out of a global CSC.
 
     Args:
@@ -138,32 +191,34 @@ def build_block(indptr: np.ndarray, indices: np.ndarray, in_deg: np.ndarray,
         src_ids: the source rows, sorted; default: exactly the chunk's
             neighbours. Pass ``np.arange(N)`` for a full-graph block whose
             source buffer is the whole ``h``.
+        scratch: :func:`block_scratch` of the graph, reused across calls
+            (default: a new one).
     """
-    e0, e1 = int(indptr[dst_start]), int(indptr[dst_stop])
-    src = np.asarray(indices[e0:e1], dtype=np.int64)
-    if src_ids is None:
-        src_ids, local = np.unique(src, return_inverse=True)
-    else:
-        src_ids = np.asarray(src_ids, dtype=np.int64)
-        local = np.searchsorted(src_ids, src)
-    local = local.astype(np.int64).reshape(-1)
-    row_ptr = (np.asarray(indptr[dst_start:dst_stop + 1]) - e0).astype(np.int64)
+    indptr = np.asarray(indptr, dtype=np.int64)
     num_dst = dst_stop - dst_start
-    dst_of_edge = np.repeat(np.arange(num_dst, dtype=np.int64), np.diff(row_ptr))
-    t_perm = np.argsort(local, kind="stable").astype(np.int64)
-    t_counts = np.bincount(local, minlength=src_ids.shape[0])
-    t_indptr = np.zeros(src_ids.shape[0] + 1, dtype=np.int64)
-    np.cumsum(t_counts, out=t_indptr[1:])
+    if src_ids is None:
+        pos = block_scratch(indptr.shape[0] - 1) if scratch is None else scratch
+        src_ids, local, row_ptr, t_indptr, t_perm, t_indices = _block_arrays(
+            indptr, np.asarray(indices), int(dst_start), int(dst_stop), pos)
+    else:
+        e0, e1 = int(indptr[dst_start]), int(indptr[dst_stop])
+        src_ids = np.asarray(src_ids, dtype=np.int64)
+        local = np.searchsorted(src_ids, np.asarray(indices[e0:e1], dtype=np.int64))
+        row_ptr = indptr[dst_start:dst_stop + 1] - e0
+        t_perm = np.argsort(local, kind="stable").astype(np.int64)
+        t_indptr = np.zeros(src_ids.shape[0] + 1, dtype=np.int64)
+        np.cumsum(np.bincount(local, minlength=src_ids.shape[0]), out=t_indptr[1:])
+        t_indices = np.repeat(np.arange(num_dst, dtype=np.int64), np.diff(row_ptr))[t_perm]
     deg = np.asarray(in_deg)
     return Block(
         indptr=torch.from_numpy(row_ptr),
-        indices=torch.from_numpy(local),
+        indices=torch.from_numpy(local.astype(np.int64, copy=False)),
         t_indptr=torch.from_numpy(t_indptr),
-        t_indices=torch.from_numpy(dst_of_edge[t_perm]),
+        t_indices=torch.from_numpy(t_indices),
         t_perm=torch.from_numpy(t_perm),
-        src_ids=torch.from_numpy(src_ids.astype(np.int64)),
+        src_ids=torch.from_numpy(src_ids),
         src_in_deg=torch.from_numpy(deg[src_ids]).to(dtype),
         dst_in_deg=torch.from_numpy(deg[dst_start:dst_stop]).to(dtype),
         dst_start=int(dst_start),
-        edge_start=e0,
+        edge_start=int(indptr[dst_start]),
     )
