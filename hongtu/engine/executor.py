@@ -34,6 +34,7 @@ from hongtu.dedup import DevicePlan
 from hongtu.engine.buffers import HostBuffers
 from hongtu.engine.chunks import ChunkSet
 from hongtu.engine.comm import Comm
+from hongtu.engine.pinned import pinned_copies
 from hongtu.engine.transfer import Mover
 from hongtu.nn.block import Block
 from hongtu.nn.model import GNN, layer_seed
@@ -200,7 +201,17 @@ class Executor:
         elif resident_blocks:
             self._blocks = [b if b is None else b.to(device) for b in chunks.blocks]
         else:
-            self._blocks = [b if b is None else b.pin_memory() for b in chunks.blocks]
+            # One pinned slab for all of them (copied to the device batch by batch).
+            own = [b for b in chunks.blocks if b is not None]
+            flat = pinned_copies([t for b in own for t in b.tensors()])
+            pinned, k = [], 0
+            for b in chunks.blocks:
+                if b is not None:
+                    n = len(b.tensors())
+                    b = b.with_tensors(flat[k:k + n])
+                    k += n
+                pinned.append(b)
+            self._blocks = pinned
         self._copy_blocks = device.type != "cpu" and not resident_blocks
 
     # ------------------------------------------------------------- helpers

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hongtu.engine.pinned import device_view
+from hongtu.engine.pinned import device_view, pinned_empty
 
 __all__ = ["Mover", "Ticket", "Traffic"]
 
@@ -105,6 +105,12 @@ class Ticket:
     buf: Tensor | None = None
 
 
+def _pinned(numel: int, dtype: torch.dtype) -> Tensor:
+    """A pinned host tensor: registered in place, else from torch's pinned allocator."""
+    t, ok = pinned_empty((numel,), dtype)
+    return t if ok else torch.empty(numel, dtype=dtype, pin_memory=True)
+
+
 class Mover:
     """Host↔device row transfers with counters.
 
@@ -142,8 +148,7 @@ class Mover:
         # Pinned staging areas for gradient flushes: they receive flushes by DMA
         # while a worker thread adds earlier ones into host memory.
         stage = max(max(r for r in slots.values()), int(stage_rows), 1) * w
-        self._stages = ([torch.empty(stage, dtype=dtype, pin_memory=True)
-                         for _ in range(_STAGES)] if self.cuda else None)
+        self._stages = ([_pinned(stage, dtype) for _ in range(_STAGES)] if self.cuda else None)
         self._flip = 0
         self._adder = _Adder(self.traffic) if self.cuda else None
         if self._adder is not None:

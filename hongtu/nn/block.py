@@ -110,6 +110,16 @@ class Block:
         """A copy in pinned host memory, so copies to a GPU are DMA transfers."""
         return self._map(lambda t: t.pin_memory())
 
+    def tensors(self) -> list[Tensor]:
+        """The block's tensors, in field order (see :meth:`with_tensors`)."""
+        return [getattr(self, f.name) for f in fields(self)
+                if isinstance(getattr(self, f.name), Tensor)]
+
+    def with_tensors(self, tensors: list[Tensor]) -> Block:
+        """A copy whose tensors are ``tensors`` (in :meth:`tensors` order)."""
+        it = iter(tensors)
+        return self._map(lambda _: next(it))
+
     def _map(self, fn) -> Block:
         kw = {}
         for f in fields(self):

@@ -41,6 +41,15 @@ def _csr_mm(indptr: Tensor, indices: Tensor, values: Tensor, x: Tensor, nrows: i
         return x.new_zeros((nrows,) + tuple(x.shape[1:]))
     shape = x.shape
     x2 = x.reshape(shape[0], -1).contiguous()
+    nnz = indices.numel()
+    if nnz > nrows * shape[0]:
+        # Repeated edges can outnumber the matrix's cells (a small block of a
+        # multigraph); cuSPARSE refuses such a matrix, so add them up directly.
+        rows = torch.repeat_interleave(torch.arange(nrows, device=x.device),
+                                       indptr[1:] - indptr[:-1], output_size=nnz)
+        out = x2.new_zeros((nrows, x2.shape[1]))
+        out.index_add_(0, rows, x2[indices] * values.to(x.dtype)[:, None])
+        return out.reshape((nrows,) + tuple(shape[1:]))
     # cuSPARSE reads raw pointers: values and dense operand must be contiguous.
     a = torch.sparse_csr_tensor(indptr, indices, values.to(x.dtype).contiguous(),
                                 size=(nrows, shape[0]),

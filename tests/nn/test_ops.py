@@ -305,3 +305,20 @@ def test_block_kernel_equals_the_numpy_cut():
                   "src_in_deg", "dst_in_deg"):
             assert torch.equal(getattr(fast, f), getattr(want, f)), (a, b, f)
         assert np.all(scratch == -1)  # scratch left clean for the next block
+
+
+def test_spmm_with_more_repeated_edges_than_cells():
+    """A block whose repeated edges outnumber its matrix cells (cuSPARSE refuses to
+    build such a CSR) still aggregates and differentiates exactly."""
+    indptr = np.array([0, 0, 4, 6], dtype=np.int64)  # vertex 1 <- 0 x3, 2; vertex 2 <- 0 x2
+    indices = np.array([0, 0, 0, 2, 0, 0], dtype=np.int64)
+    deg = np.diff(indptr).astype(np.float64)
+    for a, b in [(1, 2), (2, 3), (1, 3)]:
+        block = build_block(indptr, indices, deg, a, b, dtype=torch.float64)
+        assert block.num_edges > block.num_dst * block.num_src
+        x = torch.randn(block.num_src, 3, dtype=torch.float64, requires_grad=True)
+        w = torch.rand(block.num_edges, dtype=torch.float64, requires_grad=True)
+        dense = torch.zeros(block.num_dst, block.num_src, dtype=torch.float64)
+        dense = dense.index_put((block.edge_dst(), block.indices), w, accumulate=True)
+        assert torch.allclose(ops.spmm(block, x, w), dense @ x)
+        assert torch.autograd.gradcheck(lambda x, w, b=block: ops.spmm(b, x, w), (x, w))
