@@ -166,27 +166,25 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
         candidates = {k: _volumes(v, rep.costs[k]) for k, v in rep.volumes.items()}
         if e.reorg:
             order, name = rep.order, rep.chosen
-    plan = plan_transfers(g.indptr, g.indices, part.chunk_ptr, m, n, order=order,
-                          reuse=e.dedup.reuse, p2p=e.dedup.p2p, devices=ctx["devices"],
-                          row_bytes=rb, neighbours=nb)
     sizes = chunk_sizes(graph, part.perm, part.chunk_ptr)
 
-    def need_of(plan: TransferPlan) -> int:
+    def need_of(devs) -> int:  # DevicePlans, or their needs before slots
         return estimate_device_bytes(
             ctx["model"], sizes, ctx["itemsize"], num_nodes=graph.num_nodes,
-            buffer_rows=max(p.buffer_rows for p in plan.plans), overlap=e.overlap,
-            load_rows=max(p.max_later_load for p in plan.plans))
+            buffer_rows=max(p.buffer_rows for p in devs), overlap=e.overlap,
+            load_rows=max(p.max_later_load for p in devs))
 
-    need = need_of(plan)
-    # As training does: the budget the plan leaves keeps reused rows resident.
-    extra, _ = spare_rows(ctx["budget"], need, resident_block_bytes(sizes, ctx["itemsize"]),
-                          max(ctx["model"].widths()), ctx["itemsize"])
-    if e.dedup.cache and extra > 0:
-        plan = plan_transfers(g.indptr, g.indices, part.chunk_ptr, m, n, order=order,
-                              reuse=e.dedup.reuse, p2p=e.dedup.p2p, devices=ctx["devices"],
-                              row_bytes=rb, neighbours=nb, cache_rows=extra)
-        need = need_of(plan)
-    return _Setting(part, plan, name, candidates, need)
+    def cache_rows(needs) -> int:
+        # As training does: the budget the plan leaves keeps reused rows resident.
+        extra, _ = spare_rows(ctx["budget"], need_of(needs),
+                              resident_block_bytes(sizes, ctx["itemsize"]),
+                              max(ctx["model"].widths()), ctx["itemsize"])
+        return extra if e.dedup.cache else 0
+
+    plan = plan_transfers(g.indptr, g.indices, part.chunk_ptr, m, n, order=order,
+                          reuse=e.dedup.reuse, p2p=e.dedup.p2p, devices=ctx["devices"],
+                          row_bytes=rb, neighbours=nb, cache_rows=cache_rows)
+    return _Setting(part, plan, name, candidates, need_of(plan.plans))
 
 
 def _alternatives(n: int, smallest: int, chosen_list: list[int] | None) -> list[int]:

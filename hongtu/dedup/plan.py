@@ -14,12 +14,16 @@ set logic of its own.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
 
 from hongtu.dedup import _kernels as K
 from hongtu.dedup.cache import keep_reused_rows
 from hongtu.dedup.sets import (
     check_order,
+    consecutive_overlaps,
     neighbour_sets,
     transfer_volumes,
     transition_sets,
@@ -27,7 +31,7 @@ from hongtu.dedup.sets import (
 from hongtu.dedup.types import DevicePlan, TransferPlan
 from hongtu.errors import UserError
 
-__all__ = ["plan_transfers"]
+__all__ = ["DeviceNeeds", "plan_transfers"]
 
 _I64 = np.int64
 
@@ -137,12 +141,43 @@ def _exchange(d, devices, order, chunk_ids, nb_ptr, nb_ids, nb_cut, base, r_star
                 recv_counts=recv_counts)
 
 
+@dataclass(frozen=True)
+class DeviceNeeds:
+    """What a device's plan without kept rows needs (``DevicePlan``'s properties of
+    the same names), known before any slot is assigned."""
+
+    buffer_rows: int
+    max_later_load: int
+
+
+def _needs(t_ptr, t_ids, part_ptr, nb_ptr, nb_cut, order, devices, exchange) -> list:
+    """:class:`DeviceNeeds` of every device for shared sets with reuse."""
+    if not exchange:
+        sizes = np.diff(t_ptr)
+        later = sizes[1:] - consecutive_overlaps(t_ptr, t_ids)
+        return [DeviceNeeds(int(sizes.max()) if sizes.size else 0,
+                            int(later.max()) if later.size else 0)]
+    t_cut = _cuts(t_ptr, t_ids, part_ptr)
+    out = []
+    for d in range(devices):
+        a, b = t_cut[:, d].copy(), t_cut[:, d + 1].copy()
+        both = np.zeros(max(a.shape[0] - 1, 0), dtype=_I64)
+        if both.size:
+            K.intersect_counts(t_ids, a[1:], b[1:], t_ids, a[:-1], b[:-1], both)
+        c = order[:, d]
+        recv = (nb_ptr[c + 1] - nb_ptr[c]) - (nb_cut[c, d + 1] - nb_cut[c, d])
+        later = (b - a)[1:] - both
+        out.append(DeviceNeeds(int((b - a).max()) + int(recv.max()),
+                               int(later.max()) if later.size else 0))
+    return out
+
+
 def plan_transfers(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarray,
                    num_parts: int, num_chunks: int, order: np.ndarray | None = None,
                    reuse: bool = True, p2p: bool = True, devices: int = 1,
                    row_bytes: int | None = None,
                    neighbours: tuple[np.ndarray, np.ndarray] | None = None,
-                   cache_rows: int = 0) -> TransferPlan:
+                   cache_rows: int | Callable[[list[DeviceNeeds]], int] = 0) -> TransferPlan:
     r"""Plan the deduplicated host↔device transfers of one pass.
 
     Resident set of device ``d`` at step ``s`` (the rows it keeps in its own
@@ -175,7 +210,8 @@ def plan_transfers(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarra
         row_bytes: bytes per row, for the ``*_bytes`` volumes.
         neighbours: precomputed :func:`neighbour_sets` ``(ptr, ids)``.
         cache_rows: slots each device may add to keep reused rows resident
-            across steps (0: none).
+            across steps (0: none), or a function of the devices'
+            :class:`DeviceNeeds` without kept rows that returns it (a budget).
 
     Returns:
         The :class:`~hongtu.dedup.types.TransferPlan`.
@@ -214,10 +250,13 @@ def plan_transfers(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarra
     shared = p2p or m == 1
     exchange = shared and devices > 1
     kept = 0
+    nb_cut = _cuts(nb_ptr, nb_ids, part_ptr) if exchange else None
+    if callable(cache_rows):
+        cache_rows = int(cache_rows(_needs(t_ptr, t_ids, part_ptr, nb_ptr, nb_cut, order,
+                                           devices, exchange))) if shared and reuse else 0
     if shared and reuse and cache_rows > 0:
         t_ptr, t_ids, kept = keep_reused_rows(t_ptr, t_ids, num_nodes, int(cache_rows),
                                               part_ptr if exchange else None)
-    nb_cut = _cuts(nb_ptr, nb_ids, part_ptr) if exchange else None
     t_cut = _cuts(t_ptr, t_ids, part_ptr) if exchange else None
     flat = order.ravel()
     # Resident segments of all devices are disjoint pieces of one base array,

@@ -25,10 +25,10 @@ from hongtu.config import format_size
 from hongtu.errors import UserError
 from hongtu.graph import Graph
 from hongtu.nn.model import GNN
-from hongtu.partition import chunk_partition
+from hongtu.partition import Partition, chunk_partition
 from hongtu.partition._kernels import distinct_sources
 
-__all__ = ["CHUNK_CANDIDATES", "ChunkSizes", "choose_chunks", "chunk_sizes",
+__all__ = ["CHUNK_CANDIDATES", "ChunkSizes", "choose_chunks", "chunk_sizes", "chunking",
            "estimate_device_bytes", "resident_block_bytes", "spare_rows"]
 
 CHUNK_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512,
@@ -129,11 +129,25 @@ def spare_rows(room: int | None, need: int, blocks: int, row_width: int,
     return max(0, int(spare) // (2 * int(row_width) * int(itemsize))), blocks_fit
 
 
+def chunking(graph: Graph, assignment: np.ndarray, num_parts: int, n: int,
+             memo: dict | None = None) -> tuple[Partition, ChunkSizes]:
+    """``n`` chunks per part and their sizes, remembered in ``memo`` (keyed by ``n``)."""
+    if memo is not None and n in memo:
+        return memo[n]
+    p = chunk_partition(graph, assignment, n, num_parts=num_parts)
+    out = (p, chunk_sizes(graph, p.perm, p.chunk_ptr))
+    if memo is not None:
+        memo[n] = out
+    return out
+
+
 def choose_chunks(graph: Graph, assignment: np.ndarray, num_parts: int, model: GNN,
                   budget: int | None, itemsize: int = 4,
-                  candidates: tuple[int, ...] = CHUNK_CANDIDATES, **estimate) -> tuple[int, int]:
+                  candidates: tuple[int, ...] = CHUNK_CANDIDATES, memo: dict | None = None,
+                  **estimate) -> tuple[int, int]:
     """The fewest chunks per part whose estimated peak fits ``budget``.
 
+    ``memo`` keeps the chunkings tried (see :func:`chunking`) for the caller;
     ``estimate`` holds further arguments of :func:`estimate_device_bytes`
     (``overlap``, ``resident``).
 
@@ -151,9 +165,9 @@ def choose_chunks(graph: Graph, assignment: np.ndarray, num_parts: int, model: G
     def need(i: int) -> int:
         n = cands[i]
         if n not in seen:
-            p = chunk_partition(graph, assignment, n, num_parts=num_parts)
-            seen[n] = estimate_device_bytes(model, chunk_sizes(graph, p.perm, p.chunk_ptr),
-                                            itemsize, num_nodes=graph.num_nodes, **estimate)
+            _, sizes = chunking(graph, assignment, num_parts, n, memo)
+            seen[n] = estimate_device_bytes(model, sizes, itemsize, num_nodes=graph.num_nodes,
+                                            **estimate)
         return seen[n]
 
     if budget is None or need(0) <= budget:

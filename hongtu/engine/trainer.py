@@ -28,7 +28,7 @@ from hongtu.calibrate import resolve_throughput
 from hongtu.config import Config, format_size, parse_size
 from hongtu.engine.budget import (
     choose_chunks,
-    chunk_sizes,
+    chunking,
     estimate_device_bytes,
     resident_block_bytes,
     spare_rows,
@@ -41,7 +41,7 @@ from hongtu.engine.executor import Executor
 from hongtu.errors import UserError
 from hongtu.graph import Graph
 from hongtu.nn.model import GNN, build_model
-from hongtu.partition import assign_parts, chunk_partition
+from hongtu.partition import assign_parts
 from hongtu.reorg import plan_batches
 
 __all__ = ["Trainer", "resolve_device", "load_data"]
@@ -148,22 +148,23 @@ class Trainer:
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.budget = self._budget()
         cached = self.model.cached_layers(e.checkpoint)
+        self._chunkings: dict = {}  # chunk count -> (chunks, their sizes), as tried
         own_rows = int(np.sum(assignment == rank)) if world > 1 else graph.num_nodes
         self.resident, self.room, chunks = self._resident(
             graph, assignment, parts, BufferPlan(own_rows, self.model.widths(), cached, itemsize),
             itemsize)
         if chunks is None and e.chunks == "auto":
             chunks, _ = choose_chunks(graph, assignment, parts, self.model, self.room, itemsize,
-                                      overlap=e.overlap)
+                                      memo=self._chunkings, overlap=e.overlap)
         elif chunks is None:
             chunks = e.chunks
         part_sizes = np.bincount(assignment, minlength=parts)
         if chunks > part_sizes.min():
             raise UserError(f"engine.chunks={chunks} but the smallest part has only "
                             f"{part_sizes.min()} vertices; use engine.chunks ≤ {part_sizes.min()}")
-        self.partition = chunk_partition(graph, assignment, chunks, num_parts=parts,
-                                         method=e.partitioner, seed=cfg.train.seed)
-        sizes = chunk_sizes(graph, self.partition.perm, self.partition.chunk_ptr)
+        part, sizes = chunking(graph, assignment, parts, chunks, self._chunkings)
+        self.partition = dataclasses.replace(part, method=e.partitioner, seed=cfg.train.seed)
+        del self._chunkings  # the chunkings tried for the chunk count
         partition_s = time.perf_counter() - t_part
         self.estimate = estimate_device_bytes(self.model, sizes, itemsize,
                                               num_nodes=graph.num_nodes, overlap=e.overlap,
@@ -185,18 +186,17 @@ class Trainer:
         t_plan = time.perf_counter()
         tp = resolve_throughput(e)  # the same cost model hongtu report shows
 
-        def estimate(dplan) -> int:
+        def estimate(dplan) -> int:  # a DevicePlan, or its DeviceNeeds before slots
             return estimate_device_bytes(
                 self.model, sizes, itemsize, num_nodes=b - a, buffer_rows=dplan.buffer_rows,
                 overlap=e.overlap, load_rows=dplan.max_later_load, resident=self.resident)
 
         blocks = resident_block_bytes(sizes, itemsize)
-        self.blocks_fit = True
 
-        def cache_rows(tplan) -> int:
-            """Rows the budget left after this plan keeps resident across batches."""
-            extra, self.blocks_fit = spare_rows(self.room, estimate(tplan.plans[rank]), blocks,
-                                                max(self.model.widths()), itemsize)
+        def cache_rows(needs) -> int:
+            """Rows the budget left after the plan keeps resident across batches."""
+            extra, _ = spare_rows(self.room, estimate(needs[rank]), blocks,
+                                  max(self.model.widths()), itemsize)
             extra = extra if e.dedup.cache and not self.resident else 0
             return self.comm.min_int(extra) if self.comm else extra  # one plan for all ranks
 
@@ -207,6 +207,8 @@ class Trainer:
             t_dd=tp["device_to_device"], t_ru=tp["reuse"], cache_rows=cache_rows)
         self.plan_s = time.perf_counter() - t_plan
         self.estimate = estimate(self.transfer_plan.plans[rank])
+        # (Kept rows only take what the blocks leave, when the blocks fit.)
+        self.blocks_fit = self.room is None or self.estimate + blocks <= self.room
         if self.room is not None and self.estimate > self.room:
             raise UserError(f"the transfer plan's buffers need about "
                             f"{format_size(self.estimate)} on the device but "
@@ -272,10 +274,11 @@ class Trainer:
             try:
                 if e.chunks == "auto":
                     chunks, _ = choose_chunks(graph, assignment, parts, self.model, room,
-                                              itemsize, overlap=e.overlap, resident=True)
+                                              itemsize, memo=self._chunkings, overlap=e.overlap,
+                                              resident=True)
                     return True, room, chunks
-                p = chunk_partition(graph, assignment, e.chunks, num_parts=parts)
-                est = estimate_device_bytes(self.model, chunk_sizes(graph, p.perm, p.chunk_ptr),
+                _, sizes = chunking(graph, assignment, parts, e.chunks, self._chunkings)
+                est = estimate_device_bytes(self.model, sizes,
                                             itemsize, num_nodes=graph.num_nodes,
                                             overlap=e.overlap, resident=True)
                 if est <= room:

@@ -30,7 +30,7 @@ import numpy as np
 from hongtu.dedup._kernels import parallel_kernel
 
 if TYPE_CHECKING:
-    from hongtu.dedup import TransferPlan
+    from hongtu.dedup.plan import DeviceNeeds
 from hongtu.dedup.sets import (
     Volumes,
     check_order,
@@ -323,15 +323,15 @@ def plan_batches(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarray,
                  num_parts: int, num_chunks: int, *, reuse: bool = True, p2p: bool = True,
                  reorg: bool = True, devices: int = 1, row_bytes: int | None = None,
                  t_hd: float = T_HD, t_dd: float = T_DD, t_ru: float = T_RU,
-                 cache_rows: Callable[[TransferPlan], int] | None = None):
+                 cache_rows: int | Callable[[list[DeviceNeeds]], int] = 0):
     """Batch order (reorganised or identity) and the transfer plan that executes it.
 
     The one call the engine's setup makes: neighbour sets are computed once
     and shared by the reorganizer and the planner. ``t_hd``, ``t_dd``,
     ``t_ru`` are the cost model's throughputs in bytes/s (see :func:`cost`).
-    ``cache_rows``, given the plan without kept rows, returns how many more
-    slots each device may use to keep reused rows resident across batches;
-    when positive the plan is made again with them (same order).
+    ``cache_rows`` (slots, or a budget function of the devices' needs) keeps
+    reused rows resident across batches (see
+    :func:`~hongtu.dedup.plan_transfers`).
 
     Returns:
         ``(order, plan)``: the ``(n, m)`` batch order and its
@@ -345,11 +345,7 @@ def plan_batches(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarray,
                            row_bytes=row_bytes, t_hd=t_hd, t_dd=t_dd, t_ru=t_ru)
     else:
         order = identity_order(num_parts, num_chunks)
-    args = dict(order=order, reuse=reuse, p2p=p2p, devices=devices, row_bytes=row_bytes,
-                neighbours=nb)
-    plan = plan_transfers(indptr, indices, chunk_ptr, num_parts, num_chunks, **args)
-    extra = int(cache_rows(plan)) if cache_rows is not None else 0
-    if extra > 0:
-        plan = plan_transfers(indptr, indices, chunk_ptr, num_parts, num_chunks,
-                              cache_rows=extra, **args)
+    plan = plan_transfers(indptr, indices, chunk_ptr, num_parts, num_chunks, order=order,
+                          reuse=reuse, p2p=p2p, devices=devices, row_bytes=row_bytes,
+                          neighbours=nb, cache_rows=cache_rows)
     return order, plan

@@ -389,3 +389,27 @@ def test_kept_rows_prefer_most_reused():
     assert kept == 0 and np.array_equal(new_ids, ids)
     _, new_ids, kept = keep_reused_rows(ptr, ids, 14, extra=2)
     assert kept == 2 and new_ids.size == ids.size + 2 + 3
+
+
+@pytest.mark.parametrize("m,n,devices", [(1, 5, 1), (3, 4, 1), (3, 4, 3), (4, 6, 4)])
+def test_needs_before_slots_equal_the_plan(m, n, devices):
+    """The budget function sees exactly what the plan without kept rows needs."""
+    g, chunk_ptr = renumbered(CASES["halo_heavy"](), m, n, seed=2)
+    seen = []
+    order = random_order(m, n, 4)
+
+    def budget(needs):
+        seen.append(needs)
+        return 0
+
+    plan = plan_transfers(g.indptr, g.indices, chunk_ptr, m, n, order=order, devices=devices,
+                          cache_rows=budget)
+    assert len(seen) == 1 and plan.cached_rows == 0
+    assert [(x.buffer_rows, x.max_later_load) for x in seen[0]] == \
+        [(p.buffer_rows, p.max_later_load) for p in plan.plans]
+    kept = plan_transfers(g.indptr, g.indices, chunk_ptr, m, n, order=order, devices=devices,
+                          cache_rows=lambda needs: 3)
+    fixed = plan_transfers(g.indptr, g.indices, chunk_ptr, m, n, order=order, devices=devices,
+                           cache_rows=3)
+    assert kept.to_npz_dict().keys() == fixed.to_npz_dict().keys()
+    assert all(np.array_equal(a, fixed.to_npz_dict()[k]) for k, a in kept.to_npz_dict().items())
