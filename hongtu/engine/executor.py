@@ -55,6 +55,13 @@ class StepResult:
         return self.correct[split] / t if t else float("nan")
 
 
+def _narrow(t: Tensor) -> Tensor:
+    """An int64 index array as int32 when its values fit (widened again on the device)."""
+    if t.dtype != torch.int64 or t.numel() == 0:
+        return t
+    return t.to(torch.int32) if int(t.max()) < 2**31 and int(t.min()) >= 0 else t
+
+
 @numba.njit(cache=True)
 def _first_flushes_first(ids, ptr, seen, order, split):
     """Per step, the positions of rows flushed for the first time in the pass, then the
@@ -201,9 +208,10 @@ class Executor:
         elif resident_blocks:
             self._blocks = [b if b is None else b.to(device) for b in chunks.blocks]
         else:
-            # One pinned slab for all of them (copied to the device batch by batch).
+            # One pinned slab for all of them (copied to the device batch by batch),
+            # index arrays as int32 where they fit: half the bytes on the link.
             own = [b for b in chunks.blocks if b is not None]
-            flat = pinned_copies([t for b in own for t in b.tensors()])
+            flat = pinned_copies([_narrow(t) for b in own for t in b.tensors()])
             pinned, k = [], 0
             for b in chunks.blocks:
                 if b is not None:

@@ -300,11 +300,17 @@ class Mover:
     def fetch_block(self, block) -> Ticket:
         """Start copying a chunk's :class:`~hongtu.nn.block.Block` (pinned) to the device.
 
-        Its bytes count as host→device traffic (no rows).
+        Its bytes count as host→device traffic (no rows). Index arrays kept as
+        int32 on the host are widened to int64 on the device.
         """
         self.traffic.h2d_bytes += block.nbytes()
+
+        def copy(t: Tensor) -> Tensor:
+            d = t.to(self.device, non_blocking=True)
+            return d.long() if d.dtype == torch.int32 else d  # index arrays travel narrowed
+
         with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
-            dev = block.to(self.device, non_blocking=True)
+            dev = block._map(copy)
         return Ticket(dev, self._ready_event(self.s_in))
 
     def take_block(self, t: Ticket):

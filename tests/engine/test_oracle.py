@@ -42,7 +42,7 @@ def masks_of(g):
 def chunked_step(model: GNN, graph, parts: int, chunks: int, checkpoint: str, epoch: int = 3,
                  assignment=None, device: str = "cpu", reuse: bool = True, p2p: bool = True,
                  reorg: bool = True, overlap: bool = True, resident: bool = False,
-                 cache_rows: int = 0):
+                 cache_rows: int = 0, resident_blocks: bool = True):
     """One executor step on ``graph`` split into ``parts`` x ``chunks`` on ``device``
     (``cache_rows``: spare slots for rows kept across batches)."""
     if assignment is None:
@@ -58,7 +58,8 @@ def chunked_step(model: GNN, graph, parts: int, chunks: int, checkpoint: str, ep
     _, plan = plan_batches(g.indptr, g.indices, p.chunk_ptr, parts, chunks, reuse=reuse,
                            p2p=p2p, reorg=reorg, cache_rows=lambda _: cache_rows)
     ex = Executor(model, cs, buf, torch.from_numpy(g.y), masks_of(g), dev, plan.plans[0],
-                  checkpoint=checkpoint, seed=0, overlap=overlap)
+                  checkpoint=checkpoint, seed=0, overlap=overlap,
+                  resident_blocks=resident_blocks)
     ex.transfer_plan = plan
     res = ex.step(epoch)
     return res, g, ex
@@ -234,12 +235,13 @@ def test_resident_arithmetic_on_cpu(layer, chunks, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("layer", LAYERS)
 @pytest.mark.parametrize("checkpoint", ["auto", "recompute"])
-@pytest.mark.parametrize("mode", ["overlap", "serial", "kept", "resident", "resident-1"])
+@pytest.mark.parametrize("mode", ["overlap", "serial", "kept", "copied-blocks", "resident",
+                                  "resident-1"])
 def test_cuda_step_equals_full_graph(layer, checkpoint, mode):
     """The GPU paths are exact too: pinned buffers with zero-copy gathers and staged
     flushes, with transfers one batch ahead on their own streams or in program
-    order, with rows kept across batches, and with every buffer resident on the
-    device."""
+    order, with rows kept across batches, with chunk blocks copied batch by batch
+    (int32 on the host), and with every buffer resident on the device."""
     graph = CASES["skewed"](seed=3)
     model = make_model(layer)
     parts, chunks = {"resident-1": (1, 1), "kept": (2, 6)}.get(mode, (2, 3))
@@ -248,8 +250,9 @@ def test_cuda_step_equals_full_graph(layer, checkpoint, mode):
                                 cache_rows=kept)
     res, g, ex = chunked_step(model, graph, parts, chunks, checkpoint, device="cuda",
                               overlap=mode != "serial", resident=mode.startswith("resident"),
-                              cache_rows=kept)
+                              cache_rows=kept, resident_blocks=mode != "copied-blocks")
     assert (ex.transfer_plan.cached_rows > 0) == (mode == "kept")
+    assert ex._copy_blocks == (mode == "copied-blocks")
     moved, expect = ex.mover.traffic, on_cpu.mover.traffic
     if mode.startswith("resident"):
         assert ex.resident and moved.h2d_bytes == moved.d2h_bytes == 0
