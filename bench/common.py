@@ -33,9 +33,11 @@ def file_tag(name: str) -> str:
 
 
 def pinned_copy_peak(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> dict:
-    """Measured pinned host<->device copy rates (bytes/s), median of ``repeats``."""
+    """Measured pinned host<->device copy rates (bytes/s), median of ``repeats``:
+    each direction alone (``h2d``, ``d2h``), and both at once on two streams
+    (``both``: the bytes of the two copies over the time until both are done)."""
     if device.type != "cuda":
-        return {"h2d": None, "d2h": None}
+        return {"h2d": None, "d2h": None, "both": None}
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     rates = {}
@@ -49,7 +51,21 @@ def pinned_copy_peak(device: torch.device, nbytes: int = 1 << 30, repeats: int =
             b.synchronize()
             times.append(a.elapsed_time(b) / 1000.0)
         rates[name] = nbytes / statistics.median(times[1:])
-    del host, dev
+    host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev2 = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    s1, s2 = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    times = []
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        with torch.cuda.stream(s1):
+            dev.copy_(host, non_blocking=True)
+        with torch.cuda.stream(s2):
+            host2.copy_(dev2, non_blocking=True)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    rates["both"] = 2 * nbytes / statistics.median(times[1:])
+    del host, dev, host2, dev2
     torch.cuda.empty_cache()
     return rates
 
