@@ -173,7 +173,8 @@ def hongtu_run(key: str, mcfg: dict, system: str, budget: int | None, args, peak
         # directions' sum, the epoch's bytes cannot move faster than at this rate.
         out["lower_bound_both_s"] = max(
             lb_h2d, lb_d2h, (last["h2d_bytes"] + last["d2h_bytes"]) / peak["both"])
-        out["over_lower_bound_both"] = med / out["lower_bound_both_s"]
+        out["over_lower_bound_both"] = med / out["lower_bound_both_s"] \
+            if out["lower_bound_both_s"] else None
         out["lower_bound_serial_s"] = lb_h2d + lb_d2h
         # Forward (mostly loads) must finish before backward (mostly flushes):
         # the bound of this schedule is each pass's larger direction, summed.
