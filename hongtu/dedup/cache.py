@@ -27,20 +27,11 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from hongtu.graph.transforms import merge_unique, transpose_fill
+
 __all__ = ["keep_reused_rows", "row_presence"]
 
 _I64 = np.int64
-
-
-@numba.njit(cache=True)
-def _presence(t_ptr, t_ids, pres_ptr, pres_steps):
-    """Fill ``pres_steps[pres_ptr[u]:pres_ptr[u+1]]`` with the steps reading ``u``."""
-    fill = pres_ptr[:-1].copy()
-    for s in range(t_ptr.shape[0] - 1):
-        for t in range(t_ptr[s], t_ptr[s + 1]):
-            u = t_ids[t]
-            pres_steps[fill[u]] = s
-            fill[u] += 1
 
 
 def row_presence(t_ptr: np.ndarray, t_ids: np.ndarray,
@@ -51,8 +42,8 @@ def row_presence(t_ptr: np.ndarray, t_ids: np.ndarray,
     np.cumsum(counts, out=pres_ptr[1:])
     pres_steps = np.empty(int(pres_ptr[-1]), dtype=np.int32)
     if pres_steps.size:
-        _presence(np.ascontiguousarray(t_ptr, dtype=_I64), np.ascontiguousarray(t_ids),
-                  pres_ptr, pres_steps)
+        transpose_fill(np.ascontiguousarray(t_ptr, dtype=_I64), np.ascontiguousarray(t_ids),
+                       pres_ptr, pres_steps)
     return pres_ptr, pres_steps
 
 
@@ -97,47 +88,23 @@ def _greedy(cands, pres_ptr, pres_steps, owner, room, keep):
 
 
 @numba.njit(cache=True)
-def _extend(t_ptr, t_ids, pres_ptr, pres_steps, keep, new_ptr, new_ids, extra):
-    """``new`` set of step ``s`` = ``T_s`` merged with the kept rows passing through ``s``.
+def _gap_rows(pres_ptr, pres_steps, keep, ptr, out):
+    """CSR over steps of the kept rows passing through each step (not reading it).
 
-    First call (``new_ids`` empty) only counts into ``new_ptr[1:]``; the
-    second fills. Kept rows are visited in id order, so each step's extras
-    arrive sorted; ``extra`` is scratch of the largest step's extras.
+    With ``out`` empty only counts into ``ptr[1:]``; then fills ``out`` at
+    ``ptr``. Rows are visited in id order, so every step's list is sorted.
     """
-    num_steps = t_ptr.shape[0] - 1
-    counting = new_ids.shape[0] == 0
-    if counting:
-        for u in range(keep.shape[0]):
-            if keep[u]:
-                for t in range(pres_ptr[u] + 1, pres_ptr[u + 1]):
-                    for s in range(pres_steps[t - 1] + 1, pres_steps[t]):
-                        new_ptr[s + 1] += 1
-        for s in range(num_steps):
-            new_ptr[s + 1] += t_ptr[s + 1] - t_ptr[s]
-        return
-    fill = np.zeros(num_steps, dtype=np.int64)
-    # extras per step in a flat scratch laid out like new_ptr minus T's sizes
-    base = np.zeros(num_steps + 1, dtype=np.int64)
-    for s in range(num_steps):
-        base[s + 1] = base[s] + (new_ptr[s + 1] - new_ptr[s]) - (t_ptr[s + 1] - t_ptr[s])
+    counting = out.shape[0] == 0
+    fill = ptr[:-1].copy()
     for u in range(keep.shape[0]):
         if keep[u]:
             for t in range(pres_ptr[u] + 1, pres_ptr[u + 1]):
                 for s in range(pres_steps[t - 1] + 1, pres_steps[t]):
-                    extra[base[s] + fill[s]] = u
-                    fill[s] += 1
-    for s in range(num_steps):
-        i, i1 = t_ptr[s], t_ptr[s + 1]
-        j, j1 = base[s], base[s + 1]
-        o = new_ptr[s]
-        while i < i1 or j < j1:
-            if j >= j1 or (i < i1 and t_ids[i] < extra[j]):
-                new_ids[o] = t_ids[i]
-                i += 1
-            else:
-                new_ids[o] = extra[j]
-                j += 1
-            o += 1
+                    if counting:
+                        ptr[s + 1] += 1
+                    else:
+                        out[fill[s]] = u
+                        fill[s] += 1
 
 
 def keep_reused_rows(t_ptr: np.ndarray, t_ids: np.ndarray, num_nodes: int, extra: int,
@@ -187,10 +154,14 @@ def keep_reused_rows(t_ptr: np.ndarray, t_ids: np.ndarray, num_nodes: int, extra
     kept = int(_greedy(cands, pres_ptr, pres_steps, owner, room, keep))
     if kept == 0:
         return t_ptr, t_ids, 0
-    new_ptr = np.zeros(num_steps + 1, dtype=_I64)
-    _extend(t_ptr, t_ids, pres_ptr, pres_steps, keep, new_ptr, t_ids[:0], t_ids[:0])
-    np.cumsum(new_ptr, out=new_ptr)
+    # Each step's set merged with the kept rows passing through it.
+    gap_ptr = np.zeros(num_steps + 1, dtype=_I64)
+    _gap_rows(pres_ptr, pres_steps, keep, gap_ptr, t_ids[:0])
+    np.cumsum(gap_ptr, out=gap_ptr)
+    gap_ids = np.empty(int(gap_ptr[-1]), dtype=t_ids.dtype)
+    _gap_rows(pres_ptr, pres_steps, keep, gap_ptr, gap_ids)
+    new_ptr = t_ptr + gap_ptr  # the two lists of a step are disjoint
     new_ids = np.empty(int(new_ptr[-1]), dtype=t_ids.dtype)
-    scratch = np.empty(new_ids.shape[0] - t_ids.shape[0], dtype=t_ids.dtype)
-    _extend(t_ptr, t_ids, pres_ptr, pres_steps, keep, new_ptr, new_ids, scratch)
+    counts = np.empty(num_steps, dtype=_I64)
+    merge_unique(t_ptr, t_ids, gap_ptr, gap_ids, counts, new_ptr, new_ids, True)
     return new_ptr, new_ids, kept

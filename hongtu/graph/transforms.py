@@ -58,7 +58,11 @@ def _sort_segments(indptr, indices):
 
 
 @numba.njit(cache=True)
-def _transpose_fill(indptr, indices, tptr, out):
+def transpose_fill(indptr, indices, tptr, out):
+    """Fill the transpose of a CSR: ``out[tptr[s]:tptr[s+1]]`` = the rows listing ``s``.
+
+    ``tptr`` holds the transpose's offsets (counts of each ``s``, cumulated).
+    """
     # Walking destinations in ascending order makes each reversed segment sorted.
     cursor = tptr[:-1].copy()
     for v in range(indptr.shape[0] - 1):
@@ -69,7 +73,7 @@ def _transpose_fill(indptr, indices, tptr, out):
 
 
 @numba.njit(parallel=True, cache=True)
-def _merge_unique(aptr, a, bptr, b, counts, outptr, out, fill):
+def merge_unique(aptr, a, bptr, b, counts, outptr, out, fill):
     """Union of two sorted lists per vertex, duplicates dropped.
 
     With ``fill`` false only ``counts`` is written; with ``fill`` true the
@@ -160,7 +164,7 @@ def _transpose(graph: Graph) -> tuple[np.ndarray, np.ndarray]:
     indptr = np.ascontiguousarray(graph.indptr, dtype=np.int64)
     tptr = _indptr_from_counts(graph.out_degree())
     out = np.empty(graph.num_edges, dtype=index_dtype(n))
-    _transpose_fill(indptr, np.ascontiguousarray(graph.indices), tptr, out)
+    transpose_fill(indptr, np.ascontiguousarray(graph.indices), tptr, out)
     return tptr, out
 
 
@@ -184,10 +188,10 @@ def to_undirected(graph: Graph) -> Graph:
     tptr, tidx = _transpose(graph)
     counts = np.empty(n, dtype=np.int64)
     dummy = np.empty(0, dtype=index_dtype(n))
-    _merge_unique(indptr, indices, tptr, tidx, counts, indptr, dummy, False)
+    merge_unique(indptr, indices, tptr, tidx, counts, indptr, dummy, False)
     new_ptr = _indptr_from_counts(counts)
     out = np.empty(int(new_ptr[-1]), dtype=index_dtype(n))
-    _merge_unique(indptr, indices, tptr, tidx, counts, new_ptr, out, True)
+    merge_unique(indptr, indices, tptr, tidx, counts, new_ptr, out, True)
     return _with_structure(graph, new_ptr, out)
 
 
