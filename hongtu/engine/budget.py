@@ -25,10 +25,10 @@ from hongtu.config import format_size
 from hongtu.errors import UserError
 from hongtu.graph import Graph
 from hongtu.nn.model import GNN
-from hongtu.partition import Partition, chunk_partition
+from hongtu.partition import Chunker, Partition
 from hongtu.partition._kernels import distinct_sources
 
-__all__ = ["CHUNK_CANDIDATES", "ChunkSizes", "choose_chunks", "chunk_sizes", "chunking",
+__all__ = ["CHUNK_CANDIDATES", "ChunkSizes", "Chunkings", "choose_chunks", "chunk_sizes",
            "estimate_device_bytes", "resident_block_bytes", "spare_rows"]
 
 CHUNK_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512,
@@ -129,27 +129,54 @@ def spare_rows(room: int | None, need: int, blocks: int, row_width: int,
     return max(0, int(spare) // (2 * int(row_width) * int(itemsize))), blocks_fit
 
 
-def chunking(graph: Graph, assignment: np.ndarray, num_parts: int, n: int,
-             memo: dict | None = None) -> tuple[Partition, ChunkSizes]:
-    """``n`` chunks per part and their sizes, remembered in ``memo`` (keyed by ``n``)."""
-    if memo is not None and n in memo:
-        return memo[n]
-    p = chunk_partition(graph, assignment, n, num_parts=num_parts)
-    out = (p, chunk_sizes(graph, p.perm, p.chunk_ptr))
-    if memo is not None:
-        memo[n] = out
-    return out
+class Chunkings:
+    """The chunkings of one assignment tried for the chunk count, with their sizes.
+
+    The renumbering is shared by every count (:class:`~hongtu.partition.Chunker`)
+    and each count's sizes are computed once; :meth:`bound` gives, without a
+    pass over the edges, sizes no chunking's are below (every chunk's
+    destinations and edges, no sources), so a count whose bound already
+    misses the budget is never cut for real.
+    """
+
+    def __init__(self, graph: Graph, assignment: np.ndarray, num_parts: int) -> None:
+        self.graph = graph
+        self.chunker = Chunker(graph, assignment, num_parts)
+        self._cum = np.zeros(graph.num_nodes + 1, dtype=np.int64)
+        np.cumsum(graph.in_degree()[self.chunker.perm], out=self._cum[1:])
+        self._cut: dict[int, tuple[Partition, ChunkSizes]] = {}
+
+    def get(self, n: int) -> tuple[Partition, ChunkSizes]:
+        """``n`` chunks per part and their sizes."""
+        if n not in self._cut:
+            p = self.chunker.cut(n)
+            num_src = distinct_sources(self.graph.indptr, self.graph.indices, p.perm,
+                                       p.chunk_ptr)
+            self._cut[n] = p, self._sizes(p.chunk_ptr, num_src)
+        return self._cut[n]
+
+    def bound(self, n: int) -> ChunkSizes:
+        """Lower bounds of the sizes of ``n`` chunks per part (sources counted as 0)."""
+        if n in self._cut:
+            return self._cut[n][1]
+        chunk_ptr = self.chunker.cut(n).chunk_ptr
+        return self._sizes(chunk_ptr, np.zeros(chunk_ptr.shape[0] - 1, dtype=np.int64))
+
+    def _sizes(self, chunk_ptr: np.ndarray, num_src: np.ndarray) -> ChunkSizes:
+        return ChunkSizes(num_src, np.diff(chunk_ptr),
+                          self._cum[chunk_ptr[1:]] - self._cum[chunk_ptr[:-1]])
 
 
 def choose_chunks(graph: Graph, assignment: np.ndarray, num_parts: int, model: GNN,
                   budget: int | None, itemsize: int = 4,
-                  candidates: tuple[int, ...] = CHUNK_CANDIDATES, memo: dict | None = None,
-                  **estimate) -> tuple[int, int]:
+                  candidates: tuple[int, ...] = CHUNK_CANDIDATES,
+                  chunkings: Chunkings | None = None, **estimate) -> tuple[int, int]:
     """The fewest chunks per part whose estimated peak fits ``budget``.
 
-    ``memo`` keeps the chunkings tried (see :func:`chunking`) for the caller;
-    ``estimate`` holds further arguments of :func:`estimate_device_bytes`
-    (``overlap``, ``resident``).
+    ``chunkings`` keeps the chunkings tried for the caller (one is made when
+    ``None``); ``estimate`` holds further arguments of
+    :func:`estimate_device_bytes` (``overlap``, ``resident``). The estimate
+    must not fall as a chunk's sources grow (true of every built-in layer).
 
     Returns:
         ``(chunks, estimated_bytes)``.
@@ -157,17 +184,23 @@ def choose_chunks(graph: Graph, assignment: np.ndarray, num_parts: int, model: G
     Raises:
         UserError: no chunk count fits; the message gives the smallest need.
     """
-    part_sizes = np.bincount(assignment, minlength=num_parts)
-    smallest = int(part_sizes.min())
+    chunkings = chunkings or Chunkings(graph, assignment, num_parts)
+    smallest = int(chunkings.chunker.part_sizes.min())
     cands = [n for n in candidates if n <= smallest] or [1]
     seen: dict[int, int] = {}
 
+    def estimate_of(sizes: ChunkSizes) -> int:
+        return estimate_device_bytes(model, sizes, itemsize, num_nodes=graph.num_nodes,
+                                     **estimate)
+
     def need(i: int) -> int:
+        """The estimate of candidate ``i``; only a lower bound above ``budget``
+        when that alone misses it (no pass over the edges)."""
         n = cands[i]
         if n not in seen:
-            _, sizes = chunking(graph, assignment, num_parts, n, memo)
-            seen[n] = estimate_device_bytes(model, sizes, itemsize, num_nodes=graph.num_nodes,
-                                            **estimate)
+            low = None if budget is None else estimate_of(chunkings.bound(n))
+            seen[n] = low if low is not None and low > budget \
+                else estimate_of(chunkings.get(n)[1])
         return seen[n]
 
     if budget is None or need(0) <= budget:
@@ -179,8 +212,9 @@ def choose_chunks(graph: Graph, assignment: np.ndarray, num_parts: int, model: G
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if need(mid) <= budget else (mid, hi)
         return cands[hi], need(hi)
-    best = min(seen.items(), key=lambda kv: kv[1])
-    n, need = best
+    # Nothing fits: report the most chunks' real need (the smallest estimate).
+    n = cands[-1]
+    need = estimate_of(chunkings.get(n)[1])
     raise UserError(
         f"engine.device_memory={format_size(budget)} is too small: even {n} chunks per part "
         f"need {format_size(need)} on the device; raise engine.device_memory to at least "

@@ -27,8 +27,8 @@ import torch
 from hongtu.calibrate import resolve_throughput
 from hongtu.config import Config, format_size, parse_size
 from hongtu.engine.budget import (
+    Chunkings,
     choose_chunks,
-    chunking,
     estimate_device_bytes,
     resident_block_bytes,
     spare_rows,
@@ -148,21 +148,21 @@ class Trainer:
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.budget = self._budget()
         cached = self.model.cached_layers(e.checkpoint)
-        self._chunkings: dict = {}  # chunk count -> (chunks, their sizes), as tried
+        self._chunkings = Chunkings(graph, assignment, parts)  # the chunk counts tried
         own_rows = int(np.sum(assignment == rank)) if world > 1 else graph.num_nodes
         self.resident, self.room, chunks = self._resident(
             graph, assignment, parts, BufferPlan(own_rows, self.model.widths(), cached, itemsize),
             itemsize)
         if chunks is None and e.chunks == "auto":
             chunks, _ = choose_chunks(graph, assignment, parts, self.model, self.room, itemsize,
-                                      memo=self._chunkings, overlap=e.overlap)
+                                      chunkings=self._chunkings, overlap=e.overlap)
         elif chunks is None:
             chunks = e.chunks
         part_sizes = np.bincount(assignment, minlength=parts)
         if chunks > part_sizes.min():
             raise UserError(f"engine.chunks={chunks} but the smallest part has only "
                             f"{part_sizes.min()} vertices; use engine.chunks ≤ {part_sizes.min()}")
-        part, sizes = chunking(graph, assignment, parts, chunks, self._chunkings)
+        part, sizes = self._chunkings.get(chunks)
         self.partition = dataclasses.replace(part, method=e.partitioner, seed=cfg.train.seed)
         del self._chunkings  # the chunkings tried for the chunk count
         partition_s = time.perf_counter() - t_part
@@ -274,10 +274,10 @@ class Trainer:
             try:
                 if e.chunks == "auto":
                     chunks, _ = choose_chunks(graph, assignment, parts, self.model, room,
-                                              itemsize, memo=self._chunkings, overlap=e.overlap,
-                                              resident=True)
+                                              itemsize, chunkings=self._chunkings,
+                                              overlap=e.overlap, resident=True)
                     return True, room, chunks
-                _, sizes = chunking(graph, assignment, parts, e.chunks, self._chunkings)
+                _, sizes = self._chunkings.get(e.chunks)
                 est = estimate_device_bytes(self.model, sizes,
                                             itemsize, num_nodes=graph.num_nodes,
                                             overlap=e.overlap, resident=True)

@@ -15,11 +15,12 @@ Example::
 """
 
 from hongtu.partition.assign import METHODS, assign_parts
-from hongtu.partition.partition import Partition, chunk_partition, partition_graph
+from hongtu.partition.partition import Chunker, Partition, chunk_partition, partition_graph
 from hongtu.partition.stats import format_stats, partition_stats
 
 __all__ = [
     "METHODS",
+    "Chunker",
     "Partition",
     "assign_parts",
     "chunk_partition",

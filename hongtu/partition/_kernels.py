@@ -152,13 +152,45 @@ def distinct_sources(indptr: np.ndarray, indices: np.ndarray, perm: np.ndarray,
     out = np.zeros(num_ranges, dtype=np.int64)
     if num_ranges == 0:
         return out
-    workers = max(1, min(num_ranges, numba.get_num_threads()))
+    threads = numba.get_num_threads()
+    workers = max(1, min(num_ranges, threads))
     indptr = np.ascontiguousarray(indptr, dtype=np.int64)
     perm = np.ascontiguousarray(perm, dtype=np.int64)
+    indices = np.ascontiguousarray(indices)
+    bounds = np.ascontiguousarray(bounds, dtype=np.int64)
     # Range r is the union of the in-edge segments of its vertices, in perm order.
-    _count_unique(np.ascontiguousarray(indices), np.ascontiguousarray(bounds, dtype=np.int64),
-                  indptr[perm], indptr[perm + 1], indptr.shape[0] - 1, workers, out)
+    if 2 * num_ranges <= threads:  # few, large ranges: all threads on each in turn
+        _count_unique_few(indices, bounds, indptr[perm], indptr[perm + 1],
+                          indptr.shape[0] - 1, threads, out)
+    else:
+        _count_unique(indices, bounds, indptr[perm], indptr[perm + 1], indptr.shape[0] - 1,
+                      workers, out)
     return out
+
+
+@numba.njit(parallel=True, cache=True)
+def _count_unique_few(values, gptr, seg_start, seg_stop, num_nodes, workers, counts):
+    """:func:`count_unique_groups` for fewer groups than threads: every thread
+    stamps a share of one group's segments into one shared array (all write
+    the same stamp, so the order of writes does not matter), then the stamps
+    are counted in parallel."""
+    mark = np.full(num_nodes, -1, dtype=np.int32)
+    part = np.zeros(workers, dtype=np.int64)
+    for g in range(gptr.shape[0] - 1):
+        a, b = gptr[g], gptr[g + 1]
+        step = (b - a + workers - 1) // workers
+        for w in numba.prange(workers):
+            for s in range(a + w * step, min(b, a + (w + 1) * step)):
+                for e in range(seg_start[s], seg_stop[s]):
+                    mark[values[e]] = g
+        rows = (num_nodes + workers - 1) // workers
+        for w in numba.prange(workers):
+            c = 0
+            for u in range(w * rows, min(num_nodes, (w + 1) * rows)):
+                if mark[u] == g:
+                    c += 1
+            part[w] = c
+        counts[g] = part.sum()
 
 
 @numba.njit(parallel=True, cache=True)

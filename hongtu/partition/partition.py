@@ -19,7 +19,7 @@ from hongtu.errors import UserError
 from hongtu.graph import Graph
 from hongtu.partition.assign import assign_parts, balanced_cuts
 
-__all__ = ["Partition", "chunk_partition", "partition_graph"]
+__all__ = ["Chunker", "Partition", "chunk_partition", "partition_graph"]
 
 
 @dataclass
@@ -94,6 +94,71 @@ class Partition:
         return flat // self.num_chunks, flat % self.num_chunks
 
 
+class Chunker:
+    r"""Level 2 for one assignment, for any number of chunks per part.
+
+    The renumbering (a stable sort of the vertices by part) and the vertex
+    weights do not depend on the chunk count, so they are computed once here
+    and shared by every :meth:`cut` (the memory planner tries several counts).
+
+    Args:
+        graph: the graph in the user's ids.
+        assignment: part of every vertex (length ``N``, values in ``[0, m)``).
+        num_parts: ``m``; defaults to ``assignment.max() + 1``.
+        method: recorded in the partitions cut.
+        seed: recorded in the partitions cut.
+
+    Example::
+
+        >>> chunker = Chunker(graph, assign_parts(graph, 2, "range"))
+        >>> chunker.cut(8).chunk_ptr.shape
+        (17,)
+    """
+
+    def __init__(self, graph: Graph, assignment: np.ndarray, num_parts: int | None = None, *,
+                 method: str = "given", seed: int = 0) -> None:
+        n_nodes = graph.num_nodes
+        assignment = np.asarray(assignment)
+        if assignment.shape != (n_nodes,):
+            raise ValueError(f"assignment has shape {assignment.shape}, expected ({n_nodes},)")
+        if num_parts is None:
+            num_parts = int(assignment.max()) + 1 if n_nodes else 1
+        if n_nodes and (assignment.min() < 0 or assignment.max() >= num_parts):
+            raise ValueError(f"assignment has part ids outside 0..{num_parts - 1}")
+        self.num_parts, self.method, self.seed = int(num_parts), method, int(seed)
+        self.part_sizes = np.bincount(assignment, minlength=self.num_parts)
+        # Stable sort: within a part, vertices keep their original relative order.
+        self.perm = np.argsort(assignment, kind="stable").astype(np.int64)
+        self.inv = np.empty(n_nodes, dtype=np.int64)
+        self.inv[self.perm] = np.arange(n_nodes, dtype=np.int64)
+        self.part_ptr = np.zeros(self.num_parts + 1, dtype=np.int64)
+        np.cumsum(self.part_sizes, out=self.part_ptr[1:])
+        self._weights = (graph.in_degree() + 1)[self.perm]
+
+    def cut(self, num_chunks: int) -> Partition:
+        """Each part cut into ``num_chunks`` chunks of about equal in-edge count.
+
+        Raises:
+            UserError: ``num_chunks`` is not a positive integer, or a part has
+                fewer vertices.
+        """
+        if not isinstance(num_chunks, (int, np.integer)) or num_chunks < 1:
+            raise UserError(f"number of chunks must be a positive integer, got {num_chunks!r}")
+        m, n = self.num_parts, int(num_chunks)
+        if self.part_sizes.min() < n:
+            i = int(np.argmin(self.part_sizes))
+            raise UserError(f"part {i} has {int(self.part_sizes[i])} vertices, fewer than the "
+                            f"{n} chunks asked per part; set engine.chunks <= "
+                            f"{int(self.part_sizes[i])} or use fewer parts")
+        chunk_ptr = np.empty(m * n + 1, dtype=np.int64)
+        for i in range(m):
+            a, b = self.part_ptr[i], self.part_ptr[i + 1]
+            chunk_ptr[i * n:(i + 1) * n + 1] = a + balanced_cuts(self._weights[a:b], n)
+        return Partition(num_parts=m, num_chunks=n, perm=self.perm, inv=self.inv,
+                         part_ptr=self.part_ptr, chunk_ptr=chunk_ptr, method=self.method,
+                         seed=self.seed)
+
+
 def chunk_partition(graph: Graph, assignment: np.ndarray, num_chunks: int,
                     num_parts: int | None = None, *, method: str = "given",
                     seed: int = 0) -> Partition:
@@ -108,40 +173,15 @@ def chunk_partition(graph: Graph, assignment: np.ndarray, num_chunks: int,
         seed: recorded in the result.
 
     Returns:
-        The :class:`Partition`.
+        The :class:`Partition` (see :class:`Chunker` to cut one assignment
+        for several chunk counts).
 
     Raises:
         UserError: a part has fewer vertices than ``num_chunks``.
     """
-    n_nodes = graph.num_nodes
-    assignment = np.asarray(assignment)
-    if assignment.shape != (n_nodes,):
-        raise ValueError(f"assignment has shape {assignment.shape}, expected ({n_nodes},)")
-    if num_parts is None:
-        num_parts = int(assignment.max()) + 1 if n_nodes else 1
     if not isinstance(num_chunks, (int, np.integer)) or num_chunks < 1:
         raise UserError(f"number of chunks must be a positive integer, got {num_chunks!r}")
-    if n_nodes and (assignment.min() < 0 or assignment.max() >= num_parts):
-        raise ValueError(f"assignment has part ids outside 0..{num_parts - 1}")
-    m, n = int(num_parts), int(num_chunks)
-    sizes = np.bincount(assignment, minlength=m)
-    if sizes.min() < n:
-        i = int(np.argmin(sizes))
-        raise UserError(f"part {i} has {int(sizes[i])} vertices, fewer than the {n} chunks "
-                        f"asked per part; set engine.chunks <= {int(sizes[i])} or use fewer parts")
-    # Stable sort: within a part, vertices keep their original relative order.
-    perm = np.argsort(assignment, kind="stable").astype(np.int64)
-    inv = np.empty(n_nodes, dtype=np.int64)
-    inv[perm] = np.arange(n_nodes, dtype=np.int64)
-    part_ptr = np.zeros(m + 1, dtype=np.int64)
-    np.cumsum(sizes, out=part_ptr[1:])
-    weights = (graph.in_degree() + 1)[perm]
-    chunk_ptr = np.empty(m * n + 1, dtype=np.int64)
-    for i in range(m):
-        a, b = part_ptr[i], part_ptr[i + 1]
-        chunk_ptr[i * n:(i + 1) * n + 1] = a + balanced_cuts(weights[a:b], n)
-    return Partition(num_parts=m, num_chunks=n, perm=perm, inv=inv, part_ptr=part_ptr,
-                     chunk_ptr=chunk_ptr, method=method, seed=int(seed))
+    return Chunker(graph, assignment, num_parts, method=method, seed=seed).cut(num_chunks)
 
 
 def partition_graph(graph: Graph, parts: int, chunks: int, method: str = "metis",

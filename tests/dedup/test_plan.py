@@ -391,6 +391,51 @@ def test_kept_rows_prefer_most_reused():
     assert kept == 2 and new_ids.size == ids.size + 2 + 3
 
 
+def py_keep_reused_rows(sets, num_nodes, extra, part_ptr):
+    """The selection spelled out: rows by (runs - 1) / gap steps, best first,
+    ties by id; a row is kept when each of its gap steps has a slot left."""
+    steps = len(sets)
+    reads = {u: [s for s in range(steps) if u in sets[s]] for u in range(num_nodes)}
+    gap_steps = {u: [s for s in range(r[0], r[-1] + 1) if s not in r] if r else []
+                 for u, r in reads.items()}
+    runs = {u: sum(1 for a, b in zip(r, r[1:]) if b - a > 1) + 1 for u, r in reads.items() if r}
+    cands = sorted((u for u in runs if runs[u] > 1),
+                   key=lambda u: (-(runs[u] - 1) / len(gap_steps[u]), u))
+    owner = lambda u: int(np.searchsorted(part_ptr, u, side="right")) - 1  # noqa: E731
+    size = {(d, s): sum(1 for u in sets[s] if owner(u) == d)
+            for d in range(len(part_ptr) - 1) for s in range(steps)}
+    room = {(d, s): max(size[d, t] for t in range(steps)) + extra - size[d, s]
+            for d, s in size}
+    kept = []
+    for u in cands:
+        if all(room[owner(u), s] > 0 for s in gap_steps[u]):
+            kept.append(u)
+            for s in gap_steps[u]:
+                room[owner(u), s] -= 1
+    return [sorted(set(sets[s]) | {u for u in kept if s in gap_steps[u]}) for s in range(steps)]
+
+
+@pytest.mark.parametrize("steps", [5, 64, 65, 130])
+@pytest.mark.parametrize("devices", [1, 3])
+@pytest.mark.parametrize("extra", [1, 4, 50])
+def test_kept_rows_match_the_spelled_out_selection(steps, devices, extra):
+    """Random sets over more than 64 steps (several mask words) and devices."""
+    from hongtu.dedup.cache import keep_reused_rows
+    rng = np.random.default_rng(steps * 7 + devices + extra)
+    num_nodes = 60
+    sets = [sorted(rng.choice(num_nodes, rng.integers(1, 20), replace=False).tolist())
+            for _ in range(steps)]
+    part_ptr = np.linspace(0, num_nodes, devices + 1).astype(np.int64)
+    ptr = np.cumsum([0] + [len(s) for s in sets])
+    ids = np.concatenate([np.array(s) for s in sets]).astype(np.int32)
+    new_ptr, new_ids, kept = keep_reused_rows(ptr, ids, num_nodes, extra,
+                                              part_ptr if devices > 1 else None)
+    got = [new_ids[new_ptr[s]:new_ptr[s + 1]].tolist() for s in range(steps)]
+    want = py_keep_reused_rows(sets, num_nodes, extra, part_ptr)
+    assert got == want and new_ids.dtype == ids.dtype
+    assert kept == len({u for s in range(steps) for u in set(want[s]) - set(sets[s])})
+
+
 @pytest.mark.parametrize("m,n,devices", [(1, 5, 1), (3, 4, 1), (3, 4, 3), (4, 6, 4)])
 def test_needs_before_slots_equal_the_plan(m, n, devices):
     """The budget function sees exactly what the plan without kept rows needs."""

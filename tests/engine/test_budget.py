@@ -5,7 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hongtu.engine.budget import CHUNK_CANDIDATES, choose_chunks, chunk_sizes, estimate_device_bytes
+from hongtu.engine.budget import (
+    CHUNK_CANDIDATES,
+    Chunkings,
+    choose_chunks,
+    chunk_sizes,
+    estimate_device_bytes,
+)
 from hongtu.errors import UserError
 from hongtu.partition import chunk_partition
 from tests.cases import CASES
@@ -79,3 +85,24 @@ def test_kept_rows_fit_the_budget_they_were_given(tmp_path):
     grow = max(p.num_slots for p in tr.transfer_plan.plans) - \
         max(p.num_slots for p in base.transfer_plan.plans)
     assert 0 < grow <= 2000
+
+
+def test_chunkings_bound_is_below_every_real_estimate():
+    graph = CASES["skewed"](seed=0)
+    model = make_model("gcn")
+    assignment = np.arange(graph.num_nodes) % 2
+    chunkings = Chunkings(graph, assignment, 2)
+    for n in (1, 2, 4, 8):
+        low = chunkings.bound(n)
+        part, sizes = chunkings.get(n)
+        assert np.array_equal(low.num_dst, sizes.num_dst)
+        assert np.array_equal(low.num_edges, sizes.num_edges)
+        assert np.array_equal(sizes.num_src, chunk_sizes(graph, part.perm, part.chunk_ptr).num_src)
+        assert estimate_device_bytes(model, low) < estimate_device_bytes(model, sizes)
+        assert chunkings.bound(n) is sizes  # once cut, the bound is the real sizes
+    # Two parts: the count chosen with bounds is the fewest whose real estimate fits.
+    needs = {n: estimate_device_bytes(model, chunkings.get(n)[1], num_nodes=graph.num_nodes)
+             for n in CHUNK_CANDIDATES if n <= graph.num_nodes // 2}
+    for budget in sorted(set(needs.values()))[::3]:
+        n, est = choose_chunks(graph, assignment, 2, model, budget, overlap=True)
+        assert est == needs[n] and all(needs[k] > budget for k in needs if k < n)

@@ -10,11 +10,13 @@ import pytest
 from hongtu.errors import UserError
 from hongtu.partition import (
     METHODS,
+    Chunker,
     Partition,
     assign_parts,
     chunk_partition,
     partition_graph,
 )
+from hongtu.partition._kernels import _count_unique, _count_unique_few, distinct_sources
 from hongtu.partition.assign import balanced_cuts
 
 
@@ -173,3 +175,38 @@ def test_apply_rejects_other_graph(tiny, make_random_graph):
     p = partition_graph(tiny, 2, 2, method="range")
     with pytest.raises(UserError, match="partition this graph again"):
         p.apply(make_random_graph(13, 20))
+
+
+def test_chunker_cuts_every_count_as_chunk_partition(make_random_graph):
+    g = make_random_graph(300, 2000, seed=4)
+    assignment = np.arange(g.num_nodes) % 3
+    chunker = Chunker(g, assignment, 3, method="metis", seed=7)
+    for n in (1, 2, 5, 8):
+        p, q = chunker.cut(n), chunk_partition(g, assignment, n, num_parts=3, method="metis",
+                                               seed=7)
+        check_invariants(g, p)
+        assert np.array_equal(p.chunk_ptr, q.chunk_ptr) and np.array_equal(p.perm, q.perm)
+        assert (p.method, p.seed) == ("metis", 7)
+    assert chunker.cut(2).perm is chunker.cut(4).perm  # one renumbering for every count
+    with pytest.raises(UserError, match="fewer than the 101 chunks"):
+        chunker.cut(101)
+
+
+@pytest.mark.parametrize("ranges", [1, 2, 3, 7])
+def test_distinct_sources_counts_each_range_union(make_random_graph, ranges):
+    g = make_random_graph(400, 5000, seed=5)
+    perm = np.random.default_rng(0).permutation(g.num_nodes)
+    bounds = np.linspace(0, g.num_nodes, ranges + 1).astype(np.int64)
+    expect = [np.unique(np.concatenate([g.indices[g.indptr[v]:g.indptr[v + 1]]
+                                        for v in perm[a:b]])).size
+              for a, b in zip(bounds[:-1], bounds[1:])]
+    assert distinct_sources(g.indptr, g.indices, perm, bounds).tolist() == expect
+    # Both kernels, whatever this machine's thread count picks: ranges dealt
+    # to workers, and all workers on one range at a time.
+    ip = np.asarray(g.indptr, dtype=np.int64)
+    for kernel in (_count_unique, _count_unique_few):
+        for workers in (1, 3):
+            out = np.zeros(ranges, dtype=np.int64)
+            kernel(g.indices, bounds, ip[perm], ip[perm + 1], g.num_nodes,
+                   min(workers, ranges) if kernel is _count_unique else workers, out)
+            assert out.tolist() == expect
