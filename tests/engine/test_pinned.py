@@ -28,3 +28,32 @@ def test_pinned_copies_share_one_slab_and_keep_values():
         assert b.is_pinned() and b.dtype == a.dtype and torch.equal(a, b)
         assert b.data_ptr() % 128 == 0 or b.numel() == 0
         assert torch.equal(b.to("cuda", non_blocking=True).cpu(), a)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [1, 47, 256, 602, 1100])
+@pytest.mark.parametrize("per_sm", [0.0, 0.25, 1.0])
+def test_copy_rows_gathers_from_and_scatters_into_pinned_memory(width, per_sm, monkeypatch):
+    """The bounded-grid kernel (and torch's ops, at 0) against plain indexing,
+    for widths below, at and above one column tile, and fewer programs than rows."""
+    from hongtu.engine import transfer
+    monkeypatch.setattr(transfer, "ROW_COPY_PROGRAMS_PER_SM", per_sm)
+    dev = torch.device("cuda")
+    host, ok = pinned_empty((5000, width), torch.float32)
+    assert ok
+    host.copy_(torch.randn(5000, width))
+    view = device_view(host, dev)
+    ids = torch.randperm(5000)[:1234].sort().values
+    slots = torch.randperm(2000)[:1234]
+    buf = torch.zeros(2000, width, device=dev)
+    transfer.copy_rows(view, buf, ids.to(dev), slots.to(dev))  # gather into slots
+    want = torch.zeros(2000, width)
+    want[slots] = host[ids]
+    assert torch.equal(buf.cpu(), want)
+    out = torch.empty(1234, width, device=dev)
+    transfer.copy_rows(view, out, ids.to(dev))  # gather in order
+    assert torch.equal(out.cpu(), host[ids])
+    vals = torch.randn(1234, width, device=dev)
+    transfer.copy_rows(vals, view, dst_ids=ids.to(dev))  # scatter into host rows
+    torch.cuda.synchronize()
+    assert torch.equal(host[ids], vals.cpu())
