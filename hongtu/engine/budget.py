@@ -194,28 +194,31 @@ def choose_chunks(graph: Graph, assignment: np.ndarray, num_parts: int, model: G
                                      **estimate)
 
     def need(i: int) -> int:
-        """The estimate of candidate ``i``; only a lower bound above ``budget``
-        when that alone misses it (no pass over the edges)."""
         n = cands[i]
         if n not in seen:
-            low = None if budget is None else estimate_of(chunkings.bound(n))
-            seen[n] = low if low is not None and low > budget \
-                else estimate_of(chunkings.get(n)[1])
+            seen[n] = estimate_of(chunkings.get(n)[1])
         return seen[n]
 
-    if budget is None or need(0) <= budget:
+    if budget is None:
         return cands[0], need(0)
-    # The estimate falls as chunks grow: bisect for the fewest that fit.
-    lo, hi = 0, len(cands) - 1
-    if need(hi) <= budget:
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if need(mid) <= budget else (mid, hi)
-        return cands[hi], need(hi)
+    # Counts whose bound (no pass over the edges) misses the budget cannot fit:
+    # start at the first that might, gallop up to one that fits, then bisect
+    # the last step (the estimate falls as chunks grow).
+    last = len(cands) - 1
+    start = next((i for i in range(len(cands))
+                  if estimate_of(chunkings.bound(cands[i])) <= budget), None)
+    if start is not None:
+        lo, hi, step = start - 1, start, 1
+        while need(hi) > budget and hi < last:
+            lo, hi, step = hi, min(last, hi + step), 2 * step
+        if need(hi) <= budget:
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if need(mid) <= budget else (mid, hi)
+            return cands[hi], need(hi)
     # Nothing fits: report the most chunks' real need (the smallest estimate).
-    n = cands[-1]
-    need = estimate_of(chunkings.get(n)[1])
+    n, least = cands[last], need(last)
     raise UserError(
         f"engine.device_memory={format_size(budget)} is too small: even {n} chunks per part "
-        f"need {format_size(need)} on the device; raise engine.device_memory to at least "
-        f"{format_size(need * 1.1)}, or lower model.hidden")
+        f"need {format_size(least)} on the device; raise engine.device_memory to at least "
+        f"{format_size(least * 1.1)}, or lower model.hidden")

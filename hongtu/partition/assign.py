@@ -30,6 +30,7 @@ __all__ = [
     "METHODS",
     "assign_parts",
     "balanced_cuts",
+    "prefix_cuts",
     "metis_parts",
     "random_parts",
     "range_parts",
@@ -60,6 +61,13 @@ def balanced_cuts(weights: np.ndarray, k: int, min_size: int = 1) -> np.ndarray:
         raise ValueError(f"cannot cut {size} items into {k} pieces of at least {min_size}")
     prefix = np.zeros(size + 1, dtype=np.float64)
     np.cumsum(weights, out=prefix[1:])
+    return prefix_cuts(prefix, k, min_size)
+
+
+def prefix_cuts(prefix: np.ndarray, k: int, min_size: int = 1) -> np.ndarray:
+    """:func:`balanced_cuts` from the weights' prefix sums (``prefix[0] == 0``), so
+    cutting one sequence for many ``k`` sums it once."""
+    size = int(prefix.shape[0]) - 1
     targets = prefix[-1] * np.arange(1, k, dtype=np.float64) / k
     hi = np.clip(np.searchsorted(prefix, targets, side="left"), 1, size)
     lo = hi - 1

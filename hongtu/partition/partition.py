@@ -17,7 +17,7 @@ import numpy as np
 
 from hongtu.errors import UserError
 from hongtu.graph import Graph
-from hongtu.partition.assign import assign_parts, balanced_cuts
+from hongtu.partition.assign import assign_parts, prefix_cuts
 
 __all__ = ["Chunker", "Partition", "chunk_partition", "partition_graph"]
 
@@ -133,7 +133,14 @@ class Chunker:
         self.inv[self.perm] = np.arange(n_nodes, dtype=np.int64)
         self.part_ptr = np.zeros(self.num_parts + 1, dtype=np.int64)
         np.cumsum(self.part_sizes, out=self.part_ptr[1:])
-        self._weights = (graph.in_degree() + 1)[self.perm]
+        # Each part's running in-edge weight, summed once for every count cut.
+        weights = (graph.in_degree() + 1)[self.perm]
+        self._prefix = []
+        for i in range(self.num_parts):
+            a, b = self.part_ptr[i], self.part_ptr[i + 1]
+            prefix = np.zeros(b - a + 1, dtype=np.float64)
+            np.cumsum(weights[a:b], out=prefix[1:])
+            self._prefix.append(prefix)
 
     def cut(self, num_chunks: int) -> Partition:
         """Each part cut into ``num_chunks`` chunks of about equal in-edge count.
@@ -152,8 +159,7 @@ class Chunker:
                             f"{int(self.part_sizes[i])} or use fewer parts")
         chunk_ptr = np.empty(m * n + 1, dtype=np.int64)
         for i in range(m):
-            a, b = self.part_ptr[i], self.part_ptr[i + 1]
-            chunk_ptr[i * n:(i + 1) * n + 1] = a + balanced_cuts(self._weights[a:b], n)
+            chunk_ptr[i * n:(i + 1) * n + 1] = self.part_ptr[i] + prefix_cuts(self._prefix[i], n)
         return Partition(num_parts=m, num_chunks=n, perm=self.perm, inv=self.inv,
                          part_ptr=self.part_ptr, chunk_ptr=chunk_ptr, method=self.method,
                          seed=self.seed)
