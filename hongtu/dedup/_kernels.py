@@ -151,8 +151,8 @@ def intersect_counts(a_vals, a_start, a_stop, b_vals, b_start, b_stop, out):
 
 
 @numba.njit(cache=True)
-def assign_slots(vals, start, stop, reuse, slot_of, occ, res_slots, load_ptr, load_ids,
-                 load_slots, flush_ptr, flush_ids, flush_slots):
+def assign_slots(vals, start, stop, reuse, occ, res_slots, load_ptr, load_ids, load_slots,
+                 flush_ptr, flush_ids, flush_slots):
     """Walk one device's resident sets step by step and give every row a slot.
 
     Step ``s`` keeps ``R_s = vals[start[s]:stop[s]]`` resident. Before it,
@@ -160,8 +160,11 @@ def assign_slots(vals, start, stop, reuse, slot_of, occ, res_slots, load_ptr, lo
     ``reuse``) are flushed and their slots freed; then every row of ``R_s``
     without a slot takes the lowest free slot, in id order, and is loaded.
     Kept rows keep their slot (in-place reuse). After the last step every
-    row is flushed. ``slot_of`` (``-1`` = not resident, size ``|V|``) and
-    ``occ`` (``num_slots``) are scratch and are left clean.
+    row is flushed. ``occ`` (``num_slots``) is scratch and is left clean.
+
+    One merge of ``R_{s-1}`` and ``R_s`` per step finds the rows leaving,
+    staying (their slot is read from the previous set's, in order) and
+    entering, so every access but ``occ`` is sequential.
 
     Lowest-free placement keeps every slot below ``max_s |R_s|``: the new
     rows of step ``s`` fill the gaps below ``|R_s|`` left by the kept rows.
@@ -173,46 +176,47 @@ def assign_slots(vals, start, stop, reuse, slot_of, occ, res_slots, load_ptr, lo
     flush_ptr[0] = 0
     for s in range(num_steps):
         a, b = start[s], stop[s]
+        j = a
         if s > 0:
-            j = a
-            for t in range(start[s - 1], stop[s - 1]):
-                u = vals[t]
+            # Leaving rows are flushed, staying ones keep their slot (read from
+            # the previous set's, in order); entering ones are marked -1 and
+            # placed below, once the leaving rows' slots are free.
+            for i in range(start[s - 1], stop[s - 1]):
+                u = vals[i]
                 if reuse:
                     while j < b and vals[j] < u:
+                        res_slots[j] = -1
                         j += 1
                     if j < b and vals[j] == u:
+                        res_slots[j] = res_slots[i]
+                        j += 1
                         continue
-                sl = slot_of[u]
+                sl = res_slots[i]
                 flush_ids[nf] = u
                 flush_slots[nf] = sl
                 nf += 1
                 occ[sl] = False
-                slot_of[u] = -1
             flush_ptr[s] = nf
+        for t in range(j, b):
+            res_slots[t] = -1
         p = 0
         for t in range(a, b):
-            u = vals[t]
-            sl = slot_of[u]
-            if sl < 0:
+            if res_slots[t] < 0:
                 while occ[p]:
                     p += 1
-                sl = p
                 occ[p] = True
-                slot_of[u] = sl
-                load_ids[nl] = u
-                load_slots[nl] = sl
+                res_slots[t] = p
+                load_ids[nl] = vals[t]
+                load_slots[nl] = p
                 nl += 1
-            res_slots[t] = sl
         load_ptr[s + 1] = nl
     if num_steps > 0:
         for t in range(start[num_steps - 1], stop[num_steps - 1]):
-            u = vals[t]
-            sl = slot_of[u]
-            flush_ids[nf] = u
+            sl = res_slots[t]
+            flush_ids[nf] = vals[t]
             flush_slots[nf] = sl
             nf += 1
             occ[sl] = False
-            slot_of[u] = -1
         flush_ptr[num_steps] = nf
     return nl, nf
 

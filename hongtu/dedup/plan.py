@@ -82,7 +82,6 @@ def _lookup(q_vals, q_start, q_stop, r_vals, r_start, r_stop, r_slots, lo, hi, r
 def _assign(vals, start, stop, reuse, num_nodes, num_slots, res_slots, slot_dtype):
     """Run :func:`_kernels.assign_slots` for one device; trimmed output arrays."""
     bound = int(np.sum(stop - start))
-    slot_of = np.full(num_nodes, -1, dtype=_I64)
     occ = np.zeros(num_slots + 1, dtype=np.bool_)
     steps = start.shape[0]
     load_ptr = np.zeros(steps + 1, dtype=_I64)
@@ -91,7 +90,7 @@ def _assign(vals, start, stop, reuse, num_nodes, num_slots, res_slots, slot_dtyp
     flush_ids = np.empty(bound, dtype=vals.dtype)
     load_slots = np.empty(bound, dtype=slot_dtype)
     flush_slots = np.empty(bound, dtype=slot_dtype)
-    nl, nf = K.assign_slots(vals, start, stop, bool(reuse), slot_of, occ, res_slots, load_ptr,
+    nl, nf = K.assign_slots(vals, start, stop, bool(reuse), occ, res_slots, load_ptr,
                             load_ids, load_slots, flush_ptr, flush_ids, flush_slots)
     return (load_ptr, load_ids[:nl].copy(), load_slots[:nl].copy(),
             flush_ptr, flush_ids[:nf].copy(), flush_slots[:nf].copy())
