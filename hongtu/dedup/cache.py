@@ -138,7 +138,6 @@ def _greedy(masks, owner, room, full, bit_of, take):
     """
     zero = np.uint64(0)
     shift = np.uint64(58)
-    debruijn = np.uint64(0x03F79D71B4CB0A89)
     kept = 0
     for i in range(masks.shape[0]):
         d = owner[i]
@@ -155,7 +154,7 @@ def _greedy(masks, owner, room, full, bit_of, take):
             m = masks[i, w]
             while m != zero:
                 low = m & (zero - m)
-                s = w * 64 + bit_of[(low * debruijn) >> shift]
+                s = w * 64 + bit_of[(low * _DEBRUIJN) >> shift]
                 room[d, s] -= 1
                 if room[d, s] <= 0:
                     full[d, w] |= low
