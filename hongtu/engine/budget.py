@@ -57,11 +57,18 @@ def chunk_sizes(graph: Graph, perm: np.ndarray, chunk_ptr: np.ndarray) -> ChunkS
     ``graph`` is in the user's ids; ``perm`` maps new ids to them.
     """
     num_src = distinct_sources(graph.indptr, graph.indices, perm, chunk_ptr)
-    deg_new = graph.in_degree()[perm]
-    cum = np.zeros(deg_new.shape[0] + 1, dtype=np.int64)
-    np.cumsum(deg_new, out=cum[1:])
-    num_edges = cum[chunk_ptr[1:]] - cum[chunk_ptr[:-1]]
-    return ChunkSizes(num_src, np.diff(chunk_ptr), num_edges)
+    return _sizes(_in_edge_prefix(graph, perm), chunk_ptr, num_src)
+
+
+def _in_edge_prefix(graph: Graph, perm: np.ndarray) -> np.ndarray:
+    """Running in-edge count over the vertices in ``perm`` order (``0`` first)."""
+    cum = np.zeros(graph.num_nodes + 1, dtype=np.int64)
+    np.cumsum(graph.in_degree()[perm], out=cum[1:])
+    return cum
+
+
+def _sizes(cum: np.ndarray, chunk_ptr: np.ndarray, num_src: np.ndarray) -> ChunkSizes:
+    return ChunkSizes(num_src, np.diff(chunk_ptr), cum[chunk_ptr[1:]] - cum[chunk_ptr[:-1]])
 
 
 def estimate_device_bytes(model: GNN, sizes: ChunkSizes, itemsize: int = 4,
@@ -142,8 +149,7 @@ class Chunkings:
     def __init__(self, graph: Graph, assignment: np.ndarray, num_parts: int) -> None:
         self.graph = graph
         self.chunker = Chunker(graph, assignment, num_parts)
-        self._cum = np.zeros(graph.num_nodes + 1, dtype=np.int64)
-        np.cumsum(graph.in_degree()[self.chunker.perm], out=self._cum[1:])
+        self._cum = _in_edge_prefix(graph, self.chunker.perm)
         self._cut: dict[int, tuple[Partition, ChunkSizes]] = {}
 
     def get(self, n: int) -> tuple[Partition, ChunkSizes]:
@@ -152,7 +158,7 @@ class Chunkings:
             p = self.chunker.cut(n)
             num_src = distinct_sources(self.graph.indptr, self.graph.indices, p.perm,
                                        p.chunk_ptr)
-            self._cut[n] = p, self._sizes(p.chunk_ptr, num_src)
+            self._cut[n] = p, _sizes(self._cum, p.chunk_ptr, num_src)
         return self._cut[n]
 
     def bound(self, n: int) -> ChunkSizes:
@@ -160,11 +166,7 @@ class Chunkings:
         if n in self._cut:
             return self._cut[n][1]
         chunk_ptr = self.chunker.cut(n).chunk_ptr
-        return self._sizes(chunk_ptr, np.zeros(chunk_ptr.shape[0] - 1, dtype=np.int64))
-
-    def _sizes(self, chunk_ptr: np.ndarray, num_src: np.ndarray) -> ChunkSizes:
-        return ChunkSizes(num_src, np.diff(chunk_ptr),
-                          self._cum[chunk_ptr[1:]] - self._cum[chunk_ptr[:-1]])
+        return _sizes(self._cum, chunk_ptr, np.zeros(chunk_ptr.shape[0] - 1, dtype=np.int64))
 
 
 def choose_chunks(graph: Graph, assignment: np.ndarray, num_parts: int, model: GNN,

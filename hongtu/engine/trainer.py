@@ -158,7 +158,7 @@ class Trainer:
                                       chunkings=self._chunkings, overlap=e.overlap)
         elif chunks is None:
             chunks = e.chunks
-        part_sizes = np.bincount(assignment, minlength=parts)
+        part_sizes = self._chunkings.chunker.part_sizes
         if chunks > part_sizes.min():
             raise UserError(f"engine.chunks={chunks} but the smallest part has only "
                             f"{part_sizes.min()} vertices; use engine.chunks ≤ {part_sizes.min()}")

@@ -37,6 +37,7 @@ largest step load) and handed out as views.
 from __future__ import annotations
 
 import contextlib
+import functools
 import queue
 import threading
 import time
@@ -110,19 +111,16 @@ class Ticket:
 #: Half a program per SM measured best on an H200 (rmat22, 3-layer GCN: epoch
 #: 1.259 s with torch's ops, 1.124 at 0.5, 1.167 at 1, 1.186 at 2, 1.193 at 4).
 ROW_COPY_PROGRAMS_PER_SM = 0.5
-_ROW_KERNEL: object = False  # not looked up yet
 
 
+@functools.cache
 def _row_kernel():
     """The Triton row-copy kernel when Triton is importable (GPU machines), else ``None``."""
-    global _ROW_KERNEL
-    if _ROW_KERNEL is False:
-        try:
-            from hongtu.engine._triton_rows import copy_rows_triton
-        except ImportError:
-            copy_rows_triton = None
-        _ROW_KERNEL = copy_rows_triton
-    return _ROW_KERNEL
+    try:
+        from hongtu.engine._triton_rows import copy_rows_triton
+    except ImportError:
+        return None
+    return copy_rows_triton
 
 
 def copy_rows(src: Tensor, dst: Tensor, src_ids: Tensor | None = None,

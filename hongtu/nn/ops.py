@@ -13,6 +13,7 @@ engine recomputes it in backward.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -228,19 +229,14 @@ def dropout_mask(ids: Tensor, width: int, p: float, seed: int) -> Tensor:
     return _dropout_mask_torch(ids, width, threshold, seed)
 
 
+@functools.cache
 def _triton_mask():
     """The Triton kernel when Triton is importable (GPU machines), else ``None``."""
-    global _TRITON
-    if _TRITON is False:
-        try:
-            from hongtu.nn._triton_dropout import dropout_mask_triton
-        except ImportError:
-            dropout_mask_triton = None
-        _TRITON = dropout_mask_triton
-    return _TRITON
-
-
-_TRITON = False
+    try:
+        from hongtu.nn._triton_dropout import dropout_mask_triton
+    except ImportError:
+        return None
+    return dropout_mask_triton
 
 
 #: elements hashed at a time off the CPU: bounds the int64 temporaries (~48 B each)

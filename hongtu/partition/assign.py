@@ -30,8 +30,8 @@ __all__ = [
     "METHODS",
     "assign_parts",
     "balanced_cuts",
-    "prefix_cuts",
     "metis_parts",
+    "prefix_cuts",
     "random_parts",
     "range_parts",
 ]
