@@ -21,6 +21,11 @@ def timed(fn, *args, **kwargs):
     return out, time.perf_counter() - t0
 
 
+def steady_median(times: list[float], warmup: int) -> float:
+    """Median of the epochs after the first ``warmup`` (all of them if none are left)."""
+    return statistics.median(times[warmup:] or times)
+
+
 def device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
@@ -71,9 +76,10 @@ def pinned_copy_peak(device: torch.device, nbytes: int = 1 << 30, repeats: int =
 
 
 def pyg_run(graph, layer: str, layers: int, hidden: int, epochs: int, device: torch.device,
-            heads: int = 4, dropout: float = 0.5) -> dict:
+            heads: int = 4, dropout: float = 0.5, warmup: int = 1) -> dict:
     """The same model in memory with PyG: GCNConv on a normalised torch CSR adjacency
-    (``normalize=False``, as hongtu's GCN normalises by degrees), GATConv on edge_index."""
+    (``normalize=False``, as hongtu's GCN normalises by degrees), GATConv on edge_index.
+    The median epoch leaves out the first ``warmup`` epochs."""
     try:
         from torch_geometric.nn import GATConv, GCNConv
     except ImportError:
@@ -135,7 +141,7 @@ def pyg_run(graph, layer: str, layers: int, hidden: int, epochs: int, device: to
             times.append(time.perf_counter() - t0)
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         return {"status": "ok", "epoch_s": times,
-                "median_epoch_s": statistics.median(times[1:] or times),
+                "median_epoch_s": steady_median(times, warmup),
                 "peak_device_bytes": peak}
     except torch.cuda.OutOfMemoryError:
         return {"status": "OOM"}

@@ -26,7 +26,7 @@ from hongtu.errors import UserError
 from hongtu.graph import Graph
 from hongtu.nn.model import GNN
 from hongtu.partition import Chunker, Partition
-from hongtu.partition._kernels import distinct_sources
+from hongtu.partition._kernels import RangeSources, distinct_sources
 
 __all__ = ["CHUNK_CANDIDATES", "ChunkSizes", "Chunkings", "choose_chunks", "chunk_sizes",
            "estimate_device_bytes", "resident_block_bytes", "spare_rows"]
@@ -139,11 +139,12 @@ def spare_rows(room: int | None, need: int, blocks: int, row_width: int,
 class Chunkings:
     """The chunkings of one assignment tried for the chunk count, with their sizes.
 
-    The renumbering is shared by every count (:class:`~hongtu.partition.Chunker`)
-    and each count's sizes are computed once; :meth:`bound` gives, without a
-    pass over the edges, sizes no chunking's are below (every chunk's
-    destinations and edges, no sources), so a count whose bound already
-    misses the budget is never cut for real.
+    The renumbering is shared by every count (:class:`~hongtu.partition.Chunker`),
+    and so is one pass over the edges (:class:`~hongtu.partition._kernels.RangeSources`,
+    made at the first :meth:`get`): each count's sources are then a sequential
+    scan. :meth:`bound` gives, without looking at the edges, sizes no
+    chunking's are below (every chunk's destinations and edges, no sources),
+    so a count whose bound already misses the budget is never cut for real.
     """
 
     def __init__(self, graph: Graph, assignment: np.ndarray, num_parts: int) -> None:
@@ -151,14 +152,16 @@ class Chunkings:
         self.chunker = Chunker(graph, assignment, num_parts)
         self._cum = _in_edge_prefix(graph, self.chunker.perm)
         self._cut: dict[int, tuple[Partition, ChunkSizes]] = {}
+        self._sources: RangeSources | None = None
 
     def get(self, n: int) -> tuple[Partition, ChunkSizes]:
         """``n`` chunks per part and their sizes."""
         if n not in self._cut:
             p = self.chunker.cut(n)
-            num_src = distinct_sources(self.graph.indptr, self.graph.indices, p.perm,
-                                       p.chunk_ptr)
-            self._cut[n] = p, _sizes(self._cum, p.chunk_ptr, num_src)
+            if self._sources is None:
+                self._sources = RangeSources(self.graph.indptr, self.graph.indices, p.perm,
+                                             edge_ptr=self._cum)
+            self._cut[n] = p, _sizes(self._cum, p.chunk_ptr, self._sources(p.chunk_ptr))
         return self._cut[n]
 
     def bound(self, n: int) -> ChunkSizes:

@@ -16,7 +16,12 @@ from hongtu.partition import (
     chunk_partition,
     partition_graph,
 )
-from hongtu.partition._kernels import _count_unique, _count_unique_few, distinct_sources
+from hongtu.partition._kernels import (
+    RangeSources,
+    _count_unique,
+    _count_unique_few,
+    distinct_sources,
+)
 from hongtu.partition.assign import balanced_cuts
 
 
@@ -210,3 +215,22 @@ def test_distinct_sources_counts_each_range_union(make_random_graph, ranges):
             kernel(g.indices, bounds, ip[perm], ip[perm + 1], g.num_nodes,
                    min(workers, ranges) if kernel is _count_unique else workers, out)
             assert out.tolist() == expect
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 5])
+def test_range_sources_equal_distinct_sources_for_any_cut(make_random_graph, blocks):
+    # One pass over the edges, then any cut: the same counts as a pass per cut,
+    # with repeated edges and self-loops, for any number of parallel blocks.
+    g = make_random_graph(300, 4000, seed=3)
+    dup = g.indices.copy()
+    dup[::7] = np.repeat(np.arange(g.num_nodes), np.diff(g.indptr))[::7]  # self-loops
+    dup[1::11] = dup[0:-1:11]  # repeated sources within a vertex's in-edges
+    rng = np.random.default_rng(blocks)
+    perm = rng.permutation(g.num_nodes)
+    sources = RangeSources(g.indptr, dup, perm, blocks=blocks)
+    for cuts in (0, 1, 4, 17, 299):
+        inner = np.sort(rng.choice(np.arange(1, g.num_nodes), cuts, replace=False))
+        bounds = np.concatenate(([0], inner, [g.num_nodes])).astype(np.int64)
+        assert np.array_equal(sources(bounds), distinct_sources(g.indptr, dup, perm, bounds))
+    # Empty ranges count nothing.
+    assert sources(np.array([0, 0, 5, 5, g.num_nodes])).tolist()[::2] == [0, 0]

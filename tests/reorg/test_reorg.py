@@ -116,6 +116,35 @@ def test_parallel_kernels_agree_with_serial(monkeypatch):
     assert np.array_equal(serial.order, par.order) and serial.costs == par.costs
 
 
+def test_overlap_methods_agree(monkeypatch):
+    # Bit rows and the inverted index count the same intersections, for the
+    # chain (sets against themselves) and for a part's chunks against batches.
+    from hongtu.reorg import reorg as R
+
+    g, chunk_ptr = renumbered(CASES["skewed"](), 3, 3, seed=1)
+    ptr, ids = neighbour_sets(g.indptr, g.indices, chunk_ptr)
+    n = g.num_nodes
+    expect = np.array([[np.intersect1d(ids[ptr[q]:ptr[q + 1]], ids[ptr[s]:ptr[s + 1]]).size
+                        for s in range(3)] for q in range(3, 6)])
+    both = set()
+    for cap in (0, 1 << 30):  # 0: bit rows never fit, so the inverted index is used
+        monkeypatch.setattr(R, "_BITSET_BYTES", cap)
+        monkeypatch.setattr(R, "_bit_overlaps", _spy(R._bit_overlaps, both, "bits"))
+        monkeypatch.setattr(R, "_overlaps", _spy(R._overlaps, both, "index"))
+        sub = R._overlap_matrix(ptr, ids, np.arange(3, 6), ptr[:4], ids[:ptr[3]], n)
+        assert np.array_equal(sub, expect)
+        full = R._overlap_matrix(ptr, ids, np.arange(9), ptr, ids, n)
+        assert np.array_equal(full, full.T) and np.array_equal(full[3:6, :3], expect)
+    assert both == {"bits", "index"}
+
+
+def _spy(fn, seen, name):
+    def call(*a):
+        seen.add(name)
+        return fn(*a)
+    return call
+
+
 def test_phases_can_be_switched_off():
     g, chunk_ptr = renumbered(CASES["halo_heavy"](), 2, 4)
     res = reorganize_report(g.indptr, g.indices, chunk_ptr, 2, 4, phase1=False, phase2=False)
