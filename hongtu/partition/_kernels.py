@@ -228,7 +228,7 @@ class RangeSources:
         blocks = max(1, min(n, blocks or numba.get_num_threads()))
         targets = np.linspace(0, self.edge_ptr[-1], blocks + 1)[1:-1]
         vblocks = np.concatenate(([0], np.searchsorted(self.edge_ptr, targets), [n]))
-        last = np.full((blocks, n), -1, dtype=dtype)
+        last = np.empty((blocks, n), dtype=dtype)  # filled with -1 by the threads
         self.prev = np.empty(int(self.edge_ptr[-1]), dtype=dtype)
         _previous_uses(np.ascontiguousarray(indices), indptr[perm], self.edge_ptr,
                        vblocks.astype(np.int64), last, self.prev)
@@ -256,6 +256,7 @@ def _previous_uses(indices, seg_start, edge_ptr, vblocks, last, prev):
     blocks, n = last.shape
     for t in numba.prange(blocks):
         mine = last[t]
+        mine[:] = -1
         for v in range(vblocks[t], vblocks[t + 1]):
             s = seg_start[v]
             for k in range(edge_ptr[v + 1] - edge_ptr[v]):

@@ -128,7 +128,14 @@ class Chunker:
         self.num_parts, self.method, self.seed = int(num_parts), method, int(seed)
         self.part_sizes = np.bincount(assignment, minlength=self.num_parts)
         # Stable sort: within a part, vertices keep their original relative order.
-        self.perm = np.argsort(assignment, kind="stable").astype(np.int64)
+        ordered = n_nodes == 0 or bool(np.all(assignment[1:] >= assignment[:-1]))
+        if ordered:  # one part, or range parts: no renumbering
+            self.perm = np.arange(n_nodes, dtype=np.int64)
+        elif self.num_parts <= 16:  # a pass per part beats a sort
+            self.perm = np.concatenate([np.flatnonzero(assignment == i)
+                                        for i in range(self.num_parts)]).astype(np.int64)
+        else:
+            self.perm = np.argsort(assignment, kind="stable").astype(np.int64)
         self.inv = np.empty(n_nodes, dtype=np.int64)
         self.inv[self.perm] = np.arange(n_nodes, dtype=np.int64)
         self.part_ptr = np.zeros(self.num_parts + 1, dtype=np.int64)

@@ -188,21 +188,31 @@ def _overlap_matrix(q_ptr, q_ids, q_sel, t_ptr, t_ids, num_nodes):
     if nq == 0 or nt == 0:
         return out
     words = (num_nodes + 63) // 64
-    k = np.bincount(t_ids, minlength=num_nodes)  # sets holding each vertex
-    if q_ids is t_ids and nq == nt:
-        kq = k
-    else:
-        kq = np.bincount(np.concatenate([q_ids[q_ptr[q]:q_ptr[q + 1]] for q in q_sel]),
-                         minlength=num_nodes)
-    sparse = int(np.dot(kq, k))
     dense = nq * nt * words
-    if dense < 8 * sparse and (nq + nt) * words * 8 <= _BITSET_BYTES:
+    fits = (nq + nt) * words * 8 <= _BITSET_BYTES
+    same = q_ids is t_ids and q_ptr is t_ptr and nq == nt  # every set against every set
+    # sum_u k_u^2 >= (sum_u k_u)^2 / |V| (k_u: sets holding u) often decides alone.
+    held = int(t_ptr[-1] - t_ptr[0])
+    if fits and not (same and dense < 8 * held * held / max(num_nodes, 1)):
+        fits = dense < 8 * _index_steps(q_ptr, q_ids, q_sel, t_ptr, t_ids, num_nodes, same)
+    if fits:
         _bit_overlaps(_bitsets(q_ptr, q_ids, q_sel, words),
                       _bitsets(t_ptr, t_ids, np.arange(nt, dtype=np.int64), words), out)
     else:
         inv_ptr, inv = _inverted(t_ptr, t_ids, num_nodes)
         _overlaps(q_ptr, q_ids, q_sel, inv_ptr, inv, out)
     return out
+
+
+def _index_steps(q_ptr, q_ids, q_sel, t_ptr, t_ids, num_nodes, same) -> int:
+    """Counter increments of the inverted-index method: over the query sets'
+    elements, the number of target sets holding each."""
+    k = np.bincount(t_ids[t_ptr[0]:t_ptr[-1]], minlength=num_nodes)
+    if same:
+        return int(np.dot(k, k))
+    kq = np.bincount(np.concatenate([q_ids[q_ptr[q]:q_ptr[q + 1]] for q in q_sel]),
+                     minlength=num_nodes)
+    return int(np.dot(kq, k))
 
 
 @numba.njit(cache=True)
