@@ -231,15 +231,19 @@ def warm_up(args) -> None:
     below, bits = _kernels.SERIAL_BELOW, reorg._BITSET_BYTES
     # Kernels have serial twins for small inputs and the reorganiser two ways
     # to count overlaps: compile every variant the workloads may take.
-    for _kernels.SERIAL_BELOW, reorg._BITSET_BYTES in ((below, bits), (0, bits), (0, 0)):
-        for engine in ({"chunks": 4}, {"chunks": 8, "resident": False, "device_memory": "256MiB"}):
-            cfg = config_from_dict({
-                "data": {"path": "builtin:rmat-16"}, "model": {"hidden": 16},
-                "train": {"epochs": 1}, "engine": {"partitioner": "range", **engine,
-                                                   "cache_dir": str(Path(args.workdir) / "cache")},
-                "output": {"dir": str(Path(args.workdir) / "warmup")}})
-            Trainer(cfg, overwrite=True, out=lambda s: None).run_epoch(0)
-    _kernels.SERIAL_BELOW, reorg._BITSET_BYTES = below, bits
+    try:
+        for _kernels.SERIAL_BELOW, reorg._BITSET_BYTES in ((below, bits), (0, bits), (0, 0)):
+            for engine in ({"chunks": 4},
+                           {"chunks": 8, "resident": False, "device_memory": "256MiB"}):
+                cfg = config_from_dict({
+                    "data": {"path": "builtin:rmat-16"}, "model": {"hidden": 16},
+                    "train": {"epochs": 1},
+                    "engine": {"partitioner": "range", **engine,
+                               "cache_dir": str(Path(args.workdir) / "cache")},
+                    "output": {"dir": str(Path(args.workdir) / "warmup")}})
+                Trainer(cfg, overwrite=True, out=lambda s: None).run_epoch(0)
+    finally:
+        _kernels.SERIAL_BELOW, reorg._BITSET_BYTES = below, bits
     print(f"warm-up (kernel compilation) {time.perf_counter() - t0:.1f} s", flush=True)
 
 

@@ -193,6 +193,9 @@ def _count_unique_few(values, gptr, seg_start, seg_stop, num_nodes, workers, cou
         counts[g] = part.sum()
 
 
+_LAST_USE_BYTES = 2 << 30  # RangeSources' per-block scratch, all blocks together
+
+
 class RangeSources:
     r"""Distinct in-neighbours of any contiguous ranges of one renumbering.
 
@@ -212,7 +215,8 @@ class RangeSources:
         blocks: destination blocks scanned in parallel (default: one per thread).
 
     Memory: one ``E``-long ``prev`` (int32 below 2^31 vertices) and, while it
-    is built, one ``N``-long array per thread.
+    is built, one ``N``-long array per block (blocks capped so these stay
+    within 2 GiB).
     """
 
     def __init__(self, indptr: np.ndarray, indices: np.ndarray, perm: np.ndarray,
@@ -225,7 +229,9 @@ class RangeSources:
             np.cumsum(np.diff(indptr)[perm], out=edge_ptr[1:])
         self.edge_ptr = np.ascontiguousarray(edge_ptr, dtype=np.int64)
         dtype = np.int32 if n < 2**31 - 1 else np.int64
-        blocks = max(1, min(n, blocks or numba.get_num_threads()))
+        cap = max(1, _LAST_USE_BYTES // max(1, n * np.dtype(dtype).itemsize))
+        blocks = max(1, min(n, cap, blocks or numba.get_num_threads()))
+        self.blocks = blocks
         targets = np.linspace(0, self.edge_ptr[-1], blocks + 1)[1:-1]
         vblocks = np.concatenate(([0], np.searchsorted(self.edge_ptr, targets), [n]))
         last = np.empty((blocks, n), dtype=dtype)  # filled with -1 by the threads

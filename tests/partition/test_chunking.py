@@ -234,3 +234,15 @@ def test_range_sources_equal_distinct_sources_for_any_cut(make_random_graph, blo
         assert np.array_equal(sources(bounds), distinct_sources(g.indptr, dup, perm, bounds))
     # Empty ranges count nothing.
     assert sources(np.array([0, 0, 5, 5, g.num_nodes])).tolist()[::2] == [0, 0]
+
+
+def test_range_sources_scratch_cap_limits_blocks(make_random_graph, monkeypatch):
+    from hongtu.partition import _kernels
+
+    g = make_random_graph(200, 3000, seed=4)
+    perm = np.random.default_rng(1).permutation(g.num_nodes)
+    bounds = np.array([0, 50, 51, 120, g.num_nodes])
+    monkeypatch.setattr(_kernels, "_LAST_USE_BYTES", 2 * g.num_nodes * 4)  # room for 2 blocks
+    capped = RangeSources(g.indptr, g.indices, perm, blocks=8)
+    assert capped.blocks == 2
+    assert np.array_equal(capped(bounds), distinct_sources(g.indptr, g.indices, perm, bounds))
