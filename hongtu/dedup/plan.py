@@ -79,7 +79,7 @@ def _lookup(q_vals, q_start, q_stop, r_vals, r_start, r_stop, r_slots, lo, hi, r
     return ptr, out
 
 
-def _assign(vals, start, stop, reuse, num_nodes, num_slots, res_slots, slot_dtype):
+def _assign(vals, start, stop, reuse, num_slots, res_slots, slot_dtype):
     """Run :func:`_kernels.assign_slots` for one device; trimmed output arrays."""
     bound = int(np.sum(stop - start))
     occ = np.zeros(num_slots + 1, dtype=np.bool_)
@@ -282,7 +282,7 @@ def plan_transfers(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarra
         r_stop = np.ascontiguousarray(r_stop, dtype=_I64)
         num_slots = int((r_stop - r_start).max()) if r_start.size else 0
         load_ptr, load_ids, load_slots, flush_ptr, flush_ids, flush_slots = _assign(
-            base, r_start, r_stop, reuse, num_nodes, num_slots, res_slots, slot_dtype)
+            base, r_start, r_stop, reuse, num_slots, res_slots, slot_dtype)
         # Chunk reads: step of each chunk position -> its resident segment.
         step_of = np.repeat(np.arange(step_ptr.shape[0] - 1), np.diff(step_ptr))
         chunk_slot_ptr, chunk_slots = _lookup(

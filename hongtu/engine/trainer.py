@@ -149,7 +149,7 @@ class Trainer:
         self.budget = self._budget()
         cached = self.model.cached_layers(e.checkpoint)
         self._chunkings = Chunkings(graph, assignment, parts)  # the chunk counts tried
-        own_rows = int(np.sum(assignment == rank)) if world > 1 else graph.num_nodes
+        own_rows = int(self._chunkings.chunker.part_sizes[rank]) if world > 1 else graph.num_nodes
         self.resident, self.room, chunks = self._resident(
             graph, assignment, parts, BufferPlan(own_rows, self.model.widths(), cached, itemsize),
             itemsize)

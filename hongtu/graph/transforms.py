@@ -58,7 +58,7 @@ def _sort_segments(indptr, indices):
 
 
 @numba.njit(cache=True)
-def transpose_fill(indptr, indices, tptr, out):
+def _transpose_fill(indptr, indices, tptr, out):
     """Fill the transpose of a CSR: ``out[tptr[s]:tptr[s+1]]`` = the rows listing ``s``.
 
     ``tptr`` holds the transpose's offsets (counts of each ``s``, cumulated).
@@ -73,7 +73,7 @@ def transpose_fill(indptr, indices, tptr, out):
 
 
 @numba.njit(parallel=True, cache=True)
-def merge_unique(aptr, a, bptr, b, counts, outptr, out, fill):
+def _merge_unique(aptr, a, bptr, b, counts, outptr, out, fill):
     """Union of two sorted lists per vertex, duplicates dropped.
 
     With ``fill`` false only ``counts`` is written; with ``fill`` true the
@@ -164,7 +164,7 @@ def _transpose(graph: Graph) -> tuple[np.ndarray, np.ndarray]:
     indptr = np.ascontiguousarray(graph.indptr, dtype=np.int64)
     tptr = _indptr_from_counts(graph.out_degree())
     out = np.empty(graph.num_edges, dtype=index_dtype(n))
-    transpose_fill(indptr, np.ascontiguousarray(graph.indices), tptr, out)
+    _transpose_fill(indptr, np.ascontiguousarray(graph.indices), tptr, out)
     return tptr, out
 
 
@@ -188,10 +188,10 @@ def to_undirected(graph: Graph) -> Graph:
     tptr, tidx = _transpose(graph)
     counts = np.empty(n, dtype=np.int64)
     dummy = np.empty(0, dtype=index_dtype(n))
-    merge_unique(indptr, indices, tptr, tidx, counts, indptr, dummy, False)
+    _merge_unique(indptr, indices, tptr, tidx, counts, indptr, dummy, False)
     new_ptr = _indptr_from_counts(counts)
     out = np.empty(int(new_ptr[-1]), dtype=index_dtype(n))
-    merge_unique(indptr, indices, tptr, tidx, counts, new_ptr, out, True)
+    _merge_unique(indptr, indices, tptr, tidx, counts, new_ptr, out, True)
     return _with_structure(graph, new_ptr, out)
 
 

@@ -192,8 +192,6 @@ def chunk_partition(graph: Graph, assignment: np.ndarray, num_chunks: int,
     Raises:
         UserError: a part has fewer vertices than ``num_chunks``.
     """
-    if not isinstance(num_chunks, (int, np.integer)) or num_chunks < 1:
-        raise UserError(f"number of chunks must be a positive integer, got {num_chunks!r}")
     return Chunker(graph, assignment, num_parts, method=method, seed=seed).cut(num_chunks)
 
 
