@@ -9,13 +9,12 @@ scan is cheaper than the sort it replaces.
 
 from __future__ import annotations
 
-import math
 import types
 
 import numba
 import numpy as np
 
-from hongtu.partition._kernels import count_unique_groups
+from hongtu.partition._kernels import count_unique_groups, sort_distinct
 
 __all__ = ["parallel_kernel", "count_unique", "fill_unique", "merge_sorted", "intersect_counts",
            "assign_slots", "lookup_slots", "gather_segments"]
@@ -82,17 +81,7 @@ def fill_unique(values, gptr, seg_start, seg_stop, num_nodes, workers, ptr, out)
                             lo = u
                         if u > hi:
                             hi = u
-            if hi - lo + 1 <= 2.0 * cnt * (math.log2(cnt) + 1.0):
-                k = o
-                for u in range(lo, hi + 1):
-                    if flag[u] != 0:
-                        flag[u] = 0
-                        out[k] = u
-                        k += 1
-            else:
-                for t in range(o, o + cnt):
-                    flag[out[t]] = 0
-                out[o:o + cnt].sort()
+            sort_distinct(out, o, cnt, lo, hi, flag, True)
 
 
 @parallel_kernel
@@ -150,9 +139,9 @@ def intersect_counts(a_vals, a_start, a_stop, b_vals, b_start, b_stop, out):
         out[p] = c
 
 
-@numba.njit(cache=True)
-def assign_slots(vals, start, stop, reuse, occ, res_slots, load_ptr, load_ids, load_slots,
-                 flush_ptr, flush_ids, flush_slots):
+@parallel_kernel
+def assign_slots(vals, start, stop, reuse, occ, slot_of, res_slots, load_pos, load_ptr,
+                 load_ids, load_slots, flush_ptr, flush_ids, flush_slots):
     """Walk one device's resident sets step by step and give every row a slot.
 
     Step ``s`` keeps ``R_s = vals[start[s]:stop[s]]`` resident. Before it,
@@ -160,65 +149,99 @@ def assign_slots(vals, start, stop, reuse, occ, res_slots, load_ptr, load_ids, l
     ``reuse``) are flushed and their slots freed; then every row of ``R_s``
     without a slot takes the lowest free slot, in id order, and is loaded.
     Kept rows keep their slot (in-place reuse). After the last step every
-    row is flushed. ``occ`` (``num_slots``) is scratch and is left clean.
+    row is flushed. ``res_slots`` (aligned with ``vals``) gets every row's
+    slot at every step.
 
-    One merge of ``R_{s-1}`` and ``R_s`` per step finds the rows leaving,
-    staying (their slot is read from the previous set's, in order) and
-    entering, so every access but ``occ`` is sequential.
+    Only the placement is sequential, and it visits loads and flushes alone:
+
+    1. in parallel over steps, one merge of ``R_{s-1}`` and ``R_s`` marks
+       each row of ``R_s`` in ``res_slots``: ``-2 - i`` when it stays from
+       position ``i`` of ``R_{s-1}``, ``-1`` when it enters; the counts give
+       ``load_ptr`` and ``flush_ptr``;
+    2. in parallel over steps, the loaded and flushed ids are listed (a row
+       of ``R_s`` leaves when no mark of ``R_{s+1}`` names it);
+    3. step by step, flushed rows free the slot they were loaded into
+       (``slot_of``, per id) and loaded rows take the lowest free slots;
+    4. loaded rows' slots go to ``res_slots``, then, step by step in
+       parallel, staying rows copy theirs from ``R_{s-1}``.
+
+    Segments of different steps must not overlap; positions in ``vals``
+    must fit ``res_slots``' dtype. ``occ`` (``num_slots``) is scratch and is
+    left clean; ``slot_of`` (``|V|``) and ``load_pos`` are scratch.
 
     Lowest-free placement keeps every slot below ``max_s |R_s|``: the new
     rows of step ``s`` fill the gaps below ``|R_s|`` left by the kept rows.
     """
     num_steps = start.shape[0]
-    nl = 0
-    nf = 0
     load_ptr[0] = 0
     flush_ptr[0] = 0
-    for s in range(num_steps):
+    if num_steps == 0:
+        return 0, 0
+    for s in numba.prange(num_steps):  # 1. (counts first, cumulated below)
         a, b = start[s], stop[s]
-        j = a
-        if s > 0:
-            # Leaving rows are flushed, staying ones keep their slot (read from
-            # the previous set's, in order); entering ones are marked -1 and
-            # placed below, once the leaving rows' slots are free.
-            for i in range(start[s - 1], stop[s - 1]):
-                u = vals[i]
-                if reuse:
-                    while j < b and vals[j] < u:
-                        res_slots[j] = -1
-                        j += 1
-                    if j < b and vals[j] == u:
-                        res_slots[j] = res_slots[i]
-                        j += 1
-                        continue
-                sl = res_slots[i]
-                flush_ids[nf] = u
-                flush_slots[nf] = sl
-                nf += 1
-                occ[sl] = False
-            flush_ptr[s] = nf
-        for t in range(j, b):
-            res_slots[t] = -1
-        p = 0
         for t in range(a, b):
-            if res_slots[t] < 0:
-                while occ[p]:
-                    p += 1
-                occ[p] = True
-                res_slots[t] = p
-                load_ids[nl] = vals[t]
-                load_slots[nl] = p
-                nl += 1
-        load_ptr[s + 1] = nl
-    if num_steps > 0:
-        for t in range(start[num_steps - 1], stop[num_steps - 1]):
-            sl = res_slots[t]
-            flush_ids[nf] = vals[t]
-            flush_slots[nf] = sl
-            nf += 1
-            occ[sl] = False
-        flush_ptr[num_steps] = nf
-    return nl, nf
+            res_slots[t] = -1
+        same = 0
+        if s > 0:
+            i, i1 = start[s - 1], stop[s - 1]
+            j = a
+            while reuse and i < i1 and j < b:
+                x, y = vals[i], vals[j]
+                if x < y:
+                    i += 1
+                elif y < x:
+                    j += 1
+                else:
+                    res_slots[j] = -2 - i
+                    same += 1
+                    i += 1
+                    j += 1
+            flush_ptr[s] = stop[s - 1] - start[s - 1] - same
+        load_ptr[s + 1] = b - a - same
+    flush_ptr[num_steps] = stop[num_steps - 1] - start[num_steps - 1]
+    for s in range(num_steps):
+        load_ptr[s + 1] += load_ptr[s]
+        flush_ptr[s + 1] += flush_ptr[s]
+    for s in numba.prange(num_steps):  # 2.
+        q = load_ptr[s]
+        for t in range(start[s], stop[s]):
+            if res_slots[t] == -1:
+                load_ids[q] = vals[t]
+                load_pos[q] = t
+                q += 1
+        f = flush_ptr[s]
+        j, j1 = (start[s + 1], stop[s + 1]) if s + 1 < num_steps else (0, 0)
+        for t in range(start[s], stop[s]):
+            while j < j1 and res_slots[j] == -1:
+                j += 1
+            if j < j1 and res_slots[j] == -2 - t:
+                j += 1
+            else:
+                flush_ids[f] = vals[t]
+                f += 1
+    for s in range(num_steps + 1):  # 3. (the last round only flushes)
+        if s > 0:
+            for f in range(flush_ptr[s - 1], flush_ptr[s]):
+                sl = slot_of[flush_ids[f]]
+                flush_slots[f] = sl
+                occ[sl] = False
+        if s == num_steps:
+            break
+        p = 0
+        for q in range(load_ptr[s], load_ptr[s + 1]):
+            while occ[p]:
+                p += 1
+            occ[p] = True
+            load_slots[q] = p
+            slot_of[load_ids[q]] = p
+    for q in numba.prange(load_ptr[num_steps]):  # 4.
+        res_slots[load_pos[q]] = load_slots[q]
+    for s in range(1, num_steps):
+        for t in numba.prange(start[s], stop[s]):
+            i = res_slots[t]
+            if i < -1:
+                res_slots[t] = res_slots[-2 - i]
+    return load_ptr[num_steps], flush_ptr[num_steps]
 
 
 @parallel_kernel

@@ -79,19 +79,21 @@ def _lookup(q_vals, q_start, q_stop, r_vals, r_start, r_stop, r_slots, lo, hi, r
     return ptr, out
 
 
-def _assign(vals, start, stop, reuse, num_slots, res_slots, slot_dtype):
+def _assign(vals, start, stop, reuse, num_slots, num_nodes, res_slots, slot_dtype):
     """Run :func:`_kernels.assign_slots` for one device; trimmed output arrays."""
     bound = int(np.sum(stop - start))
     occ = np.zeros(num_slots + 1, dtype=np.bool_)
+    slot_of = np.empty(num_nodes, dtype=slot_dtype)
     steps = start.shape[0]
     load_ptr = np.zeros(steps + 1, dtype=_I64)
     flush_ptr = np.zeros(steps + 1, dtype=_I64)
     load_ids = np.empty(bound, dtype=vals.dtype)
+    load_pos = np.empty(bound, dtype=res_slots.dtype)
     flush_ids = np.empty(bound, dtype=vals.dtype)
     load_slots = np.empty(bound, dtype=slot_dtype)
     flush_slots = np.empty(bound, dtype=slot_dtype)
-    nl, nf = K.assign_slots(vals, start, stop, bool(reuse), occ, res_slots, load_ptr,
-                            load_ids, load_slots, flush_ptr, flush_ids, flush_slots)
+    nl, nf = K.assign_slots(vals, start, stop, bool(reuse), occ, slot_of, res_slots, load_pos,
+                            load_ptr, load_ids, load_slots, flush_ptr, flush_ids, flush_slots)
     return (load_ptr, load_ids[:nl].copy(), load_slots[:nl].copy(),
             flush_ptr, flush_ids[:nf].copy(), flush_slots[:nf].copy())
 
@@ -149,11 +151,12 @@ class DeviceNeeds:
     max_later_load: int
 
 
-def _needs(t_ptr, t_ids, part_ptr, nb_ptr, nb_cut, order, devices, exchange) -> list:
-    """:class:`DeviceNeeds` of every device for shared sets with reuse."""
+def _needs(t_ptr, t_ids, overlaps, part_ptr, nb_ptr, nb_cut, order, devices, exchange) -> list:
+    """:class:`DeviceNeeds` of every device for shared sets with reuse
+    (``overlaps``: :func:`consecutive_overlaps` of the transition sets)."""
     if not exchange:
         sizes = np.diff(t_ptr)
-        later = sizes[1:] - consecutive_overlaps(t_ptr, t_ids)
+        later = sizes[1:] - overlaps
         return [DeviceNeeds(int(sizes.max()) if sizes.size else 0,
                             int(later.max()) if later.size else 0)]
     t_cut = _cuts(t_ptr, t_ids, part_ptr)
@@ -244,14 +247,16 @@ def plan_transfers(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarra
         raise ValueError(f"{nb_ptr.shape[0] - 1} neighbour sets given for {m * n} chunks")
     part_ptr = chunk_ptr[::n].copy()
     t_ptr, t_ids = transition_sets(nb_ptr, nb_ids, order, num_nodes)
-    vol = transfer_volumes(nb_ptr, nb_ids, order, num_nodes, transitions=(t_ptr, t_ids))
+    overlaps = consecutive_overlaps(t_ptr, t_ids)
+    vol = transfer_volumes(nb_ptr, nb_ids, order, num_nodes, transitions=(t_ptr, t_ids),
+                           overlaps=overlaps)
     slot_dtype = np.int32 if 2 * num_nodes + 1 < np.iinfo(np.int32).max else _I64
     shared = p2p or m == 1
     exchange = shared and devices > 1
     kept = 0
     nb_cut = _cuts(nb_ptr, nb_ids, part_ptr) if exchange else None
     if callable(cache_rows):
-        cache_rows = int(cache_rows(_needs(t_ptr, t_ids, part_ptr, nb_ptr, nb_cut, order,
+        cache_rows = int(cache_rows(_needs(t_ptr, t_ids, overlaps, part_ptr, nb_ptr, nb_cut, order,
                                            devices, exchange))) if shared and reuse else 0
     if shared and reuse and cache_rows > 0:
         t_ptr, t_ids, kept = keep_reused_rows(t_ptr, t_ids, num_nodes, int(cache_rows),
@@ -261,7 +266,8 @@ def plan_transfers(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarra
     # Resident segments of all devices are disjoint pieces of one base array,
     # so one slot array aligned with that base serves every device.
     base = t_ids if shared else nb_ids
-    res_slots = np.zeros(base.shape[0], dtype=slot_dtype)
+    # (It first holds positions in base: wider than the slots on huge plans.)
+    res_slots = np.zeros(base.shape[0], dtype=slot_dtype if base.shape[0] < 2**31 - 2 else _I64)
     plans = []
     for d in range(devices):
         if devices == 1:
@@ -282,7 +288,7 @@ def plan_transfers(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarra
         r_stop = np.ascontiguousarray(r_stop, dtype=_I64)
         num_slots = int((r_stop - r_start).max()) if r_start.size else 0
         load_ptr, load_ids, load_slots, flush_ptr, flush_ids, flush_slots = _assign(
-            base, r_start, r_stop, reuse, num_slots, res_slots, slot_dtype)
+            base, r_start, r_stop, reuse, num_slots, num_nodes, res_slots, slot_dtype)
         # Chunk reads: step of each chunk position -> its resident segment.
         step_of = np.repeat(np.arange(step_ptr.shape[0] - 1), np.diff(step_ptr))
         chunk_slot_ptr, chunk_slots = _lookup(

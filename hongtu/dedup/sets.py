@@ -60,6 +60,11 @@ def union_sets(values: np.ndarray, gptr: np.ndarray, seg_start: np.ndarray,
     ptr = np.zeros(num_groups + 1, dtype=np.int64)
     if num_groups == 0 or values.shape[0] == 0:
         return ptr, np.empty(0, dtype=values.dtype)
+    if presorted and np.all(gptr[1:] - gptr[:-1] == 1):  # one set per group: a copy
+        np.cumsum(seg_stop[gptr[:-1]] - seg_start[gptr[:-1]], out=ptr[1:])
+        ids = np.empty(int(ptr[-1]), dtype=values.dtype)
+        K.gather_segments(values, seg_start[gptr[:-1]], seg_stop[gptr[:-1]], ptr, ids)
+        return ptr, ids
     if presorted:
         K.merge_sorted(values, gptr, seg_start, seg_stop, ptr, values[:0], counts)
         np.cumsum(counts, out=ptr[1:])
@@ -139,9 +144,15 @@ def check_order(order: np.ndarray | None, num_parts: int, num_chunks: int) -> np
 
 def transition_sets(nb_ptr: np.ndarray, nb_ids: np.ndarray, order: np.ndarray,
                     num_nodes: int) -> tuple[np.ndarray, np.ndarray]:
-    r"""CSR of the transition sets :math:`T_k = \bigcup_i N_{order[k,i]}`, one per batch."""
+    r"""CSR of the transition sets :math:`T_k = \bigcup_i N_{order[k,i]}`, one per batch.
+
+    With one part in its own order these are the neighbour sets themselves
+    (the same arrays, not a copy).
+    """
     order = np.asarray(order, dtype=np.int64)
     flat = order.ravel()
+    if order.shape[1] == 1 and np.array_equal(flat, np.arange(flat.shape[0])):
+        return nb_ptr, nb_ids
     gptr = np.arange(0, flat.shape[0] + 1, max(1, order.shape[1]), dtype=np.int64)
     return union_sets(nb_ids, gptr, nb_ptr[flat], nb_ptr[flat + 1], num_nodes, presorted=True)
 
@@ -193,7 +204,8 @@ class Volumes:
 def transfer_volumes(nb_ptr: np.ndarray, nb_ids: np.ndarray, order: np.ndarray,
                      num_nodes: int, row_bytes: int | None = None,
                      transitions: tuple[np.ndarray, np.ndarray] | None = None,
-                     rows: np.ndarray | None = None) -> Volumes:
+                     rows: np.ndarray | None = None,
+                     overlaps: np.ndarray | None = None) -> Volumes:
     """:class:`Volumes` of a batch order, from the neighbour sets.
 
     Args:
@@ -205,6 +217,7 @@ def transfer_volumes(nb_ptr: np.ndarray, nb_ids: np.ndarray, order: np.ndarray,
             or, with ``rows``, of an order whose rows ``rows`` give ``order``
             (``order = base[rows]``), so a reordering needs no new unions.
         rows: see ``transitions``.
+        overlaps: precomputed :func:`consecutive_overlaps` of the batches.
     """
     if transitions is None:
         if rows is not None:
@@ -212,6 +225,8 @@ def transfer_volumes(nb_ptr: np.ndarray, nb_ids: np.ndarray, order: np.ndarray,
         transitions = transition_sets(nb_ptr, nb_ids, order, num_nodes)
     t_ptr, t_ids = transitions
     v_p2p = int(t_ptr[-1])
-    v_ru = v_p2p - int(consecutive_overlaps(t_ptr, t_ids, rows).sum())
+    if overlaps is None:
+        overlaps = consecutive_overlaps(t_ptr, t_ids, rows)
+    v_ru = v_p2p - int(overlaps.sum())
     return Volumes(v_ori=int(nb_ptr[-1]), v_p2p=v_p2p, v_ru=v_ru, num_nodes=int(num_nodes),
                    row_bytes=row_bytes)

@@ -164,6 +164,12 @@ class Chunkings:
             self._cut[n] = p, _sizes(self._cum, p.chunk_ptr, self._sources(p.chunk_ptr))
         return self._cut[n]
 
+    @property
+    def sources(self) -> RangeSources | None:
+        """The pass over the edges behind every count (``None`` before the first :meth:`get`);
+        its :meth:`~RangeSources.sets` give a chunking's neighbour sets."""
+        return self._sources
+
     def bound(self, n: int) -> ChunkSizes:
         """Lower bounds of the sizes of ``n`` chunks per part (sources counted as 0)."""
         if n in self._cut:

@@ -88,6 +88,9 @@ class BufferPlan:
                 "machines (engine.devices)")
 
 
+_SLAB_BYTES = 256 << 20  # the input is copied into h^0 this much at a time
+
+
 class HostBuffers:
     """The slabs of a :class:`BufferPlan`: in host memory, or with ``device`` given
     (resident mode, everything fits the device budget) on the device.
@@ -96,10 +99,14 @@ class HostBuffers:
         h: ``h[l]`` for ``l = 0..L`` (``h[0]`` wraps the input features).
         grad: ``grad[l]`` for ``l = 1..L`` (``grad[0]`` is ``None``: inputs need no grad).
         agg: ``agg[l]`` for cached layers, else ``None``.
+
+    ``rows`` renumbers the input: vertex ``k``'s features are ``x[rows[k]]``,
+    gathered straight into ``h[0]`` (no renumbered copy of ``x`` first).
     """
 
     def __init__(self, plan: BufferPlan, x: np.ndarray | Tensor, pin: bool,
-                 dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | None = None,
+                 rows: np.ndarray | None = None) -> None:
         on_device = device is not None and device.type != "cpu"
         if not on_device:
             plan.check_host_memory()
@@ -117,13 +124,22 @@ class HostBuffers:
             self.pinned = self.pinned and ok
             return t
 
-        if pin or on_device:
+        if rows is not None or pin or on_device:
             # The GPU reads h^0 in place: copy the input (which may be memory
-            # mapped) into a slab that can be registered.
+            # mapped) into a slab that can be registered, in slabs of rows.
             x0 = slab(plan.widths[0])
-            step = max(1, (256 << 20) // max(1, plan.widths[0] * 4))
+            step = max(1, _SLAB_BYTES // max(1, plan.widths[0] * 4))
+            whole = isinstance(x, np.ndarray) and not isinstance(x, np.memmap) \
+                and x.flags.c_contiguous and torch.from_numpy(x[:0]).dtype == dtype
             for s in range(0, n, step):
-                x0[s:s + step] = torch.from_numpy(np.asarray(x[s:s + step])).to(dtype)
+                if rows is None:
+                    x0[s:s + step] = torch.from_numpy(np.asarray(x[s:s + step])).to(dtype)
+                elif whole and not on_device:  # gathered by torch's threads, in place
+                    torch.index_select(torch.from_numpy(x), 0, torch.from_numpy(
+                        np.ascontiguousarray(rows[s:s + step], dtype=np.int64)),
+                        out=x0[s:s + step])
+                else:  # (a memory-mapped file is read for these rows alone)
+                    x0[s:s + step] = torch.from_numpy(np.asarray(x[rows[s:s + step]])).to(dtype)
         else:
             x0 = x if isinstance(x, Tensor) else torch.from_numpy(np.asarray(x))
             x0 = x0.to(dtype)

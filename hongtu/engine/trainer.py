@@ -164,6 +164,7 @@ class Trainer:
                             f"{part_sizes.min()} vertices; use engine.chunks ≤ {part_sizes.min()}")
         part, sizes = self._chunkings.get(chunks)
         self.partition = dataclasses.replace(part, method=e.partitioner, seed=cfg.train.seed)
+        sources = self._chunkings.sources  # gives the planner its neighbour sets
         del self._chunkings  # the chunkings tried for the chunk count
         partition_s = time.perf_counter() - t_part
         self.estimate = estimate_device_bytes(self.model, sizes, itemsize,
@@ -178,9 +179,7 @@ class Trainer:
         a, b = (int(self.partition.part_ptr[rank]), int(self.partition.part_ptr[rank + 1])) \
             if world > 1 else (0, graph.num_nodes)
         g = self.partition.apply(dataclasses.replace(graph, x=None))
-        x_own = np.asarray(graph.x[self.partition.perm[a:b]]) if world > 1 else None
-        if world == 1:
-            g.x = np.asarray(graph.x)[self.partition.perm]
+        x, rows = graph.x, self.partition.perm[a:b]  # gathered into h^0 by HostBuffers
         del graph
         self.graph = g
         t_plan = time.perf_counter()
@@ -192,6 +191,8 @@ class Trainer:
                 overlap=e.overlap, load_rows=dplan.max_later_load, resident=self.resident)
 
         blocks = resident_block_bytes(sizes, itemsize)
+        neighbours = sources.sets(self.partition.chunk_ptr, g.indices)
+        del sources
 
         def cache_rows(needs) -> int:
             """Rows the budget left after the plan keeps resident across batches."""
@@ -204,7 +205,9 @@ class Trainer:
             g.indptr, g.indices, self.partition.chunk_ptr, parts, chunks,
             reuse=e.dedup.reuse, p2p=e.dedup.p2p, reorg=e.reorg, devices=world,
             row_bytes=itemsize * max(self.model.widths()), t_hd=tp["host_to_device"],
-            t_dd=tp["device_to_device"], t_ru=tp["reuse"], cache_rows=cache_rows)
+            t_dd=tp["device_to_device"], t_ru=tp["reuse"], cache_rows=cache_rows,
+            neighbours=neighbours)
+        del neighbours
         self.plan_s = time.perf_counter() - t_plan
         self.estimate = estimate(self.transfer_plan.plans[rank])
         # (Kept rows only take what the blocks leave, when the blocks fit.)
@@ -218,10 +221,9 @@ class Trainer:
                                      part=rank if world > 1 else None)
         plan = BufferPlan(b - a, self.model.widths(), cached, itemsize)
         self.out(self._plan_text(plan, parts, chunks))
-        buffers = HostBuffers(plan, g.x if world == 1 else x_own,
-                              pin=self.device.type == "cuda", dtype=dtype,
-                              device=self.device if self.resident else None)
-        g.x = x_own = None  # h^0 holds the features now (a pinned copy on GPUs)
+        buffers = HostBuffers(plan, x, pin=self.device.type == "cuda", dtype=dtype,
+                              device=self.device if self.resident else None, rows=rows)
+        del x, rows  # h^0 holds the features now (a pinned copy on GPUs)
 
         def own(mask):
             mask = np.zeros(g.num_nodes, bool) if mask is None else np.asarray(mask)

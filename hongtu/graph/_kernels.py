@@ -7,13 +7,14 @@ import numpy as np
 
 
 @numba.njit(parallel=True, cache=True)
-def _gather_ranges(values, indptr, order, new_indptr, out):
+def _gather_ranges(values, indptr, order, new_indptr, relabel, out):
+    mapped = relabel.shape[0] > 0
     for k in numba.prange(order.shape[0]):
         v = order[k]
         s = indptr[v]
         o = new_indptr[k]
         for t in range(indptr[v + 1] - s):
-            out[o + t] = values[s + t]
+            out[o + t] = relabel[values[s + t]] if mapped else values[s + t]
 
 
 @numba.njit(cache=True)
@@ -27,8 +28,13 @@ def bucket_fill(src, dst, indptr, out):
 
 
 def gather_ranges(values: np.ndarray, indptr: np.ndarray, order: np.ndarray,
-                  new_indptr: np.ndarray) -> np.ndarray:
-    """Concatenate the CSR segments of ``values`` listed in ``order``."""
+                  new_indptr: np.ndarray, relabel: np.ndarray | None = None) -> np.ndarray:
+    """Concatenate the CSR segments of ``values`` listed in ``order``.
+
+    With ``relabel``, each value ``u`` is written as ``relabel[u]`` (in
+    ``values``' dtype), in the same pass.
+    """
     out = np.empty(int(new_indptr[-1]), dtype=values.dtype)
-    _gather_ranges(values, indptr, order, new_indptr, out)
+    relabel = values[:0] if relabel is None else relabel
+    _gather_ranges(values, indptr, order, new_indptr, relabel, out)
     return out

@@ -144,13 +144,12 @@ class Graph:
         n = self.num_nodes
         if perm.shape != (n,):
             raise ValueError(f"permutation has shape {perm.shape}, expected ({n},)")
-        inv = np.empty(n, dtype=np.int64)
-        inv[perm] = np.arange(n, dtype=np.int64)
+        inv = np.empty(n, dtype=self.indices.dtype)
+        inv[perm] = np.arange(n, dtype=self.indices.dtype)
         deg = self.in_degree()[perm]
         indptr = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(deg, out=indptr[1:])
-        indices = _gather_ranges(self.indices, self.indptr, perm, indptr)
-        indices = inv[indices].astype(self.indices.dtype, copy=False)
+        indices = _gather_ranges(self.indices, self.indptr, perm, indptr, relabel=inv)
 
         def take(a):
             return None if a is None else np.asarray(a)[perm]
@@ -211,8 +210,8 @@ def _hash_arrays(arrays) -> str:
 
 
 def _gather_ranges(values: np.ndarray, indptr: np.ndarray, order: np.ndarray,
-                   new_indptr: np.ndarray) -> np.ndarray:
-    """Concatenate ``values[indptr[v]:indptr[v+1]]`` for ``v`` in ``order``."""
+                   new_indptr: np.ndarray, relabel: np.ndarray | None = None) -> np.ndarray:
+    """Concatenate ``values[indptr[v]:indptr[v+1]]`` for ``v`` in ``order`` (relabelled)."""
     from hongtu.graph._kernels import gather_ranges
 
-    return gather_ranges(values, indptr, order.astype(np.int64), new_indptr)
+    return gather_ranges(values, indptr, order.astype(np.int64), new_indptr, relabel)

@@ -8,6 +8,8 @@ graphs with tens of millions of edges.
 
 from __future__ import annotations
 
+import math
+
 import numba
 import numpy as np
 
@@ -245,10 +247,42 @@ class RangeSources:
         ranges = bounds.shape[0] - 1
         if ranges <= 0:
             return np.zeros(max(ranges, 0), dtype=np.int64)
-        pieces = max(1, -(-2 * numba.get_num_threads() // ranges))
-        partial = np.empty(ranges * pieces, dtype=np.int64)
+        pieces = self._pieces(ranges)
+        return self._partial(bounds, pieces).reshape(ranges, pieces).sum(axis=1)
+
+    def _pieces(self, ranges: int) -> int:
+        return max(1, -(-2 * numba.get_num_threads() // ranges))
+
+    def _partial(self, bounds: np.ndarray, pieces: int) -> np.ndarray:
+        partial = np.empty((bounds.shape[0] - 1) * pieces, dtype=np.int64)
         _count_new(self.prev, self.edge_ptr, bounds, pieces, partial)
-        return partial.reshape(ranges, pieces).sum(axis=1)
+        return partial
+
+    def sets(self, bounds: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The distinct sources of each range themselves, sorted, as CSR ``(ptr, ids)``.
+
+        ``indices`` are the sources of the renumbered graph (new ids), edge
+        for edge in this renumbering's order (:meth:`Graph.permute` keeps
+        each destination's edges in order), so the result is
+        :func:`~hongtu.dedup.neighbour_sets` of that graph: the edges that
+        bring a new source into their range are taken, then sorted, without
+        a pass of random accesses over all edges.
+        """
+        bounds = np.ascontiguousarray(bounds, dtype=np.int64)
+        indices = np.ascontiguousarray(indices)
+        if indices.shape != self.prev.shape:
+            raise ValueError(f"{indices.shape[0]} sources given for the {self.prev.shape[0]} "
+                             "edges of this renumbering")
+        ranges = bounds.shape[0] - 1
+        pieces = self._pieces(max(ranges, 1))
+        offsets = np.zeros(ranges * pieces + 1, dtype=np.int64)
+        np.cumsum(self._partial(bounds, pieces), out=offsets[1:])
+        ids = np.empty(int(offsets[-1]), dtype=indices.dtype)
+        _take_new(self.prev, self.edge_ptr, bounds, pieces, indices, offsets, ids)
+        ptr = offsets[::pieces].copy()
+        workers = max(1, min(ranges, numba.get_num_threads()))
+        _sort_segments(ids, ptr, self.edge_ptr.shape[0] - 1, workers)
+        return ptr, ids
 
 
 @numba.njit(parallel=True, cache=True)
@@ -303,6 +337,60 @@ def _count_new(prev, edge_ptr, bounds, pieces, partial):
             if prev[e] < a:
                 cnt += 1
         partial[it] = cnt
+
+
+@numba.njit(parallel=True, cache=True)
+def _take_new(prev, edge_ptr, bounds, pieces, indices, offsets, out):
+    """:func:`_count_new`'s edges, their ``indices`` written at ``offsets`` of each piece."""
+    for it in numba.prange(offsets.shape[0] - 1):
+        c, k = it // pieces, it % pieces
+        a = bounds[c]
+        e0, e1 = edge_ptr[a], edge_ptr[bounds[c + 1]]
+        step = (e1 - e0 + pieces - 1) // pieces
+        lo = e0 + k * step
+        o = offsets[it]
+        for e in range(lo, min(e1, lo + step)):
+            if prev[e] < a:
+                out[o] = indices[e]
+                o += 1
+
+
+@numba.njit(cache=True)
+def sort_distinct(out, o, cnt, lo, hi, flag, flagged):
+    """Sort the distinct ids ``out[o:o+cnt]`` (all in ``[lo, hi]``) in place.
+
+    When ``[lo, hi]`` is small next to ``k log k`` the ids are re-emitted in
+    order by scanning ``flag`` over it, else sorted. ``flagged``: ``flag``
+    is already set at exactly these ids; it is left clear either way.
+    """
+    if hi - lo + 1 <= 2.0 * cnt * (math.log2(max(cnt, 1)) + 1.0):
+        if not flagged:
+            for t in range(o, o + cnt):
+                flag[out[t]] = 1
+        k = o
+        for u in range(lo, hi + 1):
+            if flag[u] != 0:
+                flag[u] = 0
+                out[k] = u
+                k += 1
+    else:
+        if flagged:
+            for t in range(o, o + cnt):
+                flag[out[t]] = 0
+        out[o:o + cnt].sort()
+
+
+@numba.njit(parallel=True, cache=True)
+def _sort_segments(ids, ptr, num_nodes, workers):
+    """Sort every segment ``ids[ptr[r]:ptr[r+1]]`` of distinct ids (segments dealt to workers)."""
+    num = ptr.shape[0] - 1
+    for w in numba.prange(workers):
+        flag = np.zeros(num_nodes, dtype=np.uint8)
+        for r in range(w, num, workers):
+            o, cnt = ptr[r], ptr[r + 1] - ptr[r]
+            if cnt > 0:
+                seg = ids[o:o + cnt]
+                sort_distinct(ids, o, cnt, seg.min(), seg.max(), flag, False)
 
 
 @numba.njit(parallel=True, cache=True)

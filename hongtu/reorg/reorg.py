@@ -400,7 +400,8 @@ def plan_batches(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarray,
                  num_parts: int, num_chunks: int, *, reuse: bool = True, p2p: bool = True,
                  reorg: bool = True, devices: int = 1, row_bytes: int | None = None,
                  t_hd: float = T_HD, t_dd: float = T_DD, t_ru: float = T_RU,
-                 cache_rows: int | Callable[[list[DeviceNeeds]], int] = 0):
+                 cache_rows: int | Callable[[list[DeviceNeeds]], int] = 0,
+                 neighbours: tuple[np.ndarray, np.ndarray] | None = None):
     """Batch order (reorganised or identity) and the transfer plan that executes it.
 
     The one call the engine's setup makes: neighbour sets are computed once
@@ -408,7 +409,8 @@ def plan_batches(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarray,
     ``t_ru`` are the cost model's throughputs in bytes/s (see :func:`cost`).
     ``cache_rows`` (slots, or a budget function of the devices' needs) keeps
     reused rows resident across batches (see
-    :func:`~hongtu.dedup.plan_transfers`).
+    :func:`~hongtu.dedup.plan_transfers`). ``neighbours``: the
+    :func:`~hongtu.dedup.neighbour_sets` when the caller has them already.
 
     Returns:
         ``(order, plan)``: the ``(n, m)`` batch order and its
@@ -416,7 +418,7 @@ def plan_batches(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarray,
     """
     from hongtu.dedup import plan_transfers
 
-    nb = neighbour_sets(indptr, indices, chunk_ptr)
+    nb = neighbours if neighbours is not None else neighbour_sets(indptr, indices, chunk_ptr)
     if reorg:
         order = reorganize(indptr, indices, chunk_ptr, num_parts, num_chunks, neighbours=nb,
                            row_bytes=row_bytes, t_hd=t_hd, t_dd=t_dd, t_ru=t_ru)

@@ -458,3 +458,67 @@ def test_needs_before_slots_equal_the_plan(m, n, devices):
                            cache_rows=3)
     assert kept.to_npz_dict().keys() == fixed.to_npz_dict().keys()
     assert all(np.array_equal(a, fixed.to_npz_dict()[k]) for k, a in kept.to_npz_dict().items())
+
+
+def py_slots(sets, reuse):
+    """Lowest-free slot assignment spelled out: ``(loads, flushes)`` per step, as (id, slot)."""
+    slot_of: dict[int, int] = {}
+    loads, flushes = [], []
+    prev: list[int] = []
+    for s, cur in enumerate(sets + [[]]):
+        keep = set(cur) if reuse and s < len(sets) else set()
+        if s:
+            flushes.append([(u, slot_of.pop(u)) for u in prev if u not in keep])
+        if s == len(sets):
+            break
+        step = []
+        for u in cur:
+            if u not in slot_of:
+                p = min(set(range(len(cur) + 1)) - set(slot_of.values()))
+                slot_of[u] = p
+                step.append((u, p))
+        loads.append(step)
+        prev = cur
+    return loads, flushes
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+@pytest.mark.parametrize("serial", [True, False])
+def test_slot_assignment_is_lowest_free(monkeypatch, reuse, serial):
+    """The two-pass slot assignment (parallel merges, sequential placement of loads and
+    flushes only) places rows exactly as the one-pass rule does, for segments stored in
+    any order in the base array (the planner's no-p2p case)."""
+    from hongtu.dedup.plan import _assign
+
+    monkeypatch.setattr(_kernels, "SERIAL_BELOW", 1 << 40 if serial else 0)
+    rng = np.random.default_rng(3)
+    for trial in range(20):
+        steps = int(rng.integers(1, 9))
+        sets = [sorted(rng.choice(30, size=int(rng.integers(0, 20)), replace=False).tolist())
+                for _ in range(steps)]
+        where = rng.permutation(steps)  # step s is stored as the where[s]-th segment
+        sizes = np.array([len(sets[s]) for s in np.argsort(where)], dtype=np.int64)
+        seg = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+        vals = np.zeros(int(seg[-1]), dtype=np.int32)
+        for s in range(steps):
+            vals[seg[where[s]]:seg[where[s] + 1]] = sets[s]
+        start, stop = seg[:-1][where].copy(), seg[1:][where].copy()
+        res = np.zeros(vals.shape[0], dtype=np.int32)
+        num_slots = int(sizes.max()) if steps else 0
+        load_ptr, load_ids, load_slots, flush_ptr, flush_ids, flush_slots = _assign(
+            vals, start, stop, reuse, num_slots, 30, res, np.int32)
+        loads, flushes = py_slots(sets, reuse)
+        for s in range(steps):
+            got = list(zip(load_ids[load_ptr[s]:load_ptr[s + 1]].tolist(),
+                           load_slots[load_ptr[s]:load_ptr[s + 1]].tolist()))
+            assert got == loads[s], (trial, s)
+            got = list(zip(flush_ids[flush_ptr[s]:flush_ptr[s + 1]].tolist(),
+                           flush_slots[flush_ptr[s]:flush_ptr[s + 1]].tolist()))
+            assert got == flushes[s], (trial, s)
+            held = {u: p for u, p in zip(sets[s], res[start[s]:stop[s]].tolist())}
+            live = {}
+            for t in range(s + 1):
+                live.update(dict(loads[t]))
+                for u, _ in flushes[t] if t < s else []:
+                    live.pop(u)
+            assert held == live, (trial, s)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import numpy as np
@@ -234,6 +235,35 @@ def test_range_sources_equal_distinct_sources_for_any_cut(make_random_graph, blo
         assert np.array_equal(sources(bounds), distinct_sources(g.indptr, dup, perm, bounds))
     # Empty ranges count nothing.
     assert sources(np.array([0, 0, 5, 5, g.num_nodes])).tolist()[::2] == [0, 0]
+
+
+@pytest.mark.parametrize("blocks", [1, 3])
+def test_range_sources_sets_are_the_neighbour_sets(make_random_graph, blocks):
+    # The edges that bring a new source into a range, sorted, are the renumbered
+    # graph's neighbour sets, for cuts into ranges of every size (empty, one
+    # vertex, more ranges than threads, fewer) and ids spread wide (sorted) or
+    # packed (flag scan).
+    from hongtu.dedup import neighbour_sets
+
+    g = make_random_graph(300, 4000, seed=5)
+    dup = g.indices.copy()
+    dup[1::11] = dup[0:-1:11]
+    g = dataclasses.replace(g, indices=dup)
+    rng = np.random.default_rng(blocks)
+    perm = rng.permutation(g.num_nodes)
+    sources = RangeSources(g.indptr, g.indices, perm, blocks=blocks)
+    renumbered = g.permute(perm)
+    for cuts in (0, 1, 4, 17, 299):
+        inner = np.sort(rng.choice(np.arange(1, g.num_nodes), cuts, replace=False))
+        bounds = np.concatenate(([0], inner, [g.num_nodes])).astype(np.int64)
+        ptr, ids = sources.sets(bounds, renumbered.indices)
+        want_ptr, want_ids = neighbour_sets(renumbered.indptr, renumbered.indices, bounds)
+        assert np.array_equal(ptr, want_ptr) and np.array_equal(ids, want_ids)
+        assert ids.dtype == renumbered.indices.dtype
+    ptr, _ = sources.sets(np.array([0, 0, 5, 5, g.num_nodes]), renumbered.indices)
+    assert np.diff(ptr).tolist()[::2] == [0, 0]
+    with pytest.raises(ValueError, match="sources given"):
+        sources.sets(bounds, renumbered.indices[1:])
 
 
 def test_range_sources_scratch_cap_limits_blocks(make_random_graph, monkeypatch):

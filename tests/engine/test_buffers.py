@@ -1,0 +1,34 @@
+"""Host buffers: the input features gathered into h^0 in the renumbered order."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hongtu.engine import buffers as B
+
+
+@pytest.mark.parametrize("source", ["array", "float64", "memmap", "strided"])
+def test_host_buffers_gather_renumbered_input_rows(tmp_path, monkeypatch, source):
+    # h^0 row k is x[rows[k]], whichever way the rows are gathered (torch's
+    # threads for an in-memory float32 array, numpy slab by slab otherwise),
+    # across slab boundaries.
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1000, 6)).astype(np.float32)
+    rows = rng.permutation(1000)[:700]
+    if source == "float64":
+        x = x.astype(np.float64)
+    elif source == "memmap":
+        np.save(tmp_path / "x.npy", x)
+        x = np.load(tmp_path / "x.npy", mmap_mode="r")
+    elif source == "strided":
+        x = np.repeat(x, 2, axis=1)[:, ::2]
+    monkeypatch.setattr(B, "available_host_memory", lambda: 1 << 40)
+    monkeypatch.setattr(B, "_SLAB_BYTES", 128 * 6 * 4)  # slabs of 128 rows
+    buf = B.HostBuffers(B.BufferPlan(700, [6, 4], [False, False]), x, pin=False, rows=rows)
+    want = torch.from_numpy(np.asarray(x, dtype=np.float32)[rows])
+    assert buf.h[0].dtype == torch.float32 and torch.equal(buf.h[0], want)
+    # Without rows the input is used as it is.
+    plain = B.HostBuffers(B.BufferPlan(1000, [6, 4], [False, False]), x, pin=False)
+    assert torch.equal(plain.h[0], torch.from_numpy(np.asarray(x, dtype=np.float32)))
