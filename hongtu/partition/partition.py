@@ -136,12 +136,16 @@ class Chunker:
                                         for i in range(self.num_parts)]).astype(np.int64)
         else:
             self.perm = np.argsort(assignment, kind="stable").astype(np.int64)
-        self.inv = np.empty(n_nodes, dtype=np.int64)
-        self.inv[self.perm] = np.arange(n_nodes, dtype=np.int64)
+        if ordered:
+            self.inv = np.arange(n_nodes, dtype=np.int64)
+        else:
+            self.inv = np.empty(n_nodes, dtype=np.int64)
+            self.inv[self.perm] = np.arange(n_nodes, dtype=np.int64)
         self.part_ptr = np.zeros(self.num_parts + 1, dtype=np.int64)
         np.cumsum(self.part_sizes, out=self.part_ptr[1:])
         # Each part's running in-edge weight, summed once for every count cut.
-        weights = (graph.in_degree() + 1)[self.perm]
+        weights = graph.in_degree() + 1
+        weights = weights if ordered else weights[self.perm]
         self._prefix = []
         for i in range(self.num_parts):
             a, b = self.part_ptr[i], self.part_ptr[i + 1]
