@@ -134,18 +134,20 @@ class Graph:
         )
 
     # -------------------------------------------------------------- transform
-    def permute(self, perm: np.ndarray) -> Graph:
+    def permute(self, perm: np.ndarray, inv: np.ndarray | None = None) -> Graph:
         """Renumber vertices: new vertex ``k`` is old vertex ``perm[k]``.
 
         Edges keep their per-destination order; vertex data is reordered, so
-        ``permute(perm).x[k] == x[perm[k]]``.
+        ``permute(perm).x[k] == x[perm[k]]``. ``inv`` (old id -> new id) is
+        computed when not given.
         """
         perm = np.asarray(perm, dtype=np.int64)
         n = self.num_nodes
         if perm.shape != (n,):
             raise ValueError(f"permutation has shape {perm.shape}, expected ({n},)")
-        inv = np.empty(n, dtype=self.indices.dtype)
-        inv[perm] = np.arange(n, dtype=self.indices.dtype)
+        if inv is None:
+            inv = np.empty(n, dtype=self.indices.dtype)
+            inv[perm] = np.arange(n, dtype=self.indices.dtype)
         deg = self.in_degree()[perm]
         indptr = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(deg, out=indptr[1:])

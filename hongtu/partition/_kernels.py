@@ -255,7 +255,8 @@ class RangeSources:
 
     def _partial(self, bounds: np.ndarray, pieces: int) -> np.ndarray:
         partial = np.empty((bounds.shape[0] - 1) * pieces, dtype=np.int64)
-        _count_new(self.prev, self.edge_ptr, bounds, pieces, partial)
+        _new_sources(self.prev, self.edge_ptr, bounds, pieces, self.prev[:0], partial,
+                     self.prev[:0])
         return partial
 
     def sets(self, bounds: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -278,7 +279,8 @@ class RangeSources:
         offsets = np.zeros(ranges * pieces + 1, dtype=np.int64)
         np.cumsum(self._partial(bounds, pieces), out=offsets[1:])
         ids = np.empty(int(offsets[-1]), dtype=indices.dtype)
-        _take_new(self.prev, self.edge_ptr, bounds, pieces, indices, offsets, ids)
+        if ids.size:
+            _new_sources(self.prev, self.edge_ptr, bounds, pieces, indices, offsets, ids)
         ptr = offsets[::pieces].copy()
         workers = max(1, min(ranges, numba.get_num_threads()))
         _sort_segments(ids, ptr, self.edge_ptr.shape[0] - 1, workers)
@@ -323,36 +325,25 @@ def _previous_uses(indices, seg_start, edge_ptr, vblocks, last, prev):
 
 
 @numba.njit(parallel=True, cache=True)
-def _count_new(prev, edge_ptr, bounds, pieces, partial):
-    """Edges of range ``c`` whose source was not used earlier in it, in ``pieces`` parts each."""
-    for it in numba.prange(partial.shape[0]):
+def _new_sources(prev, edge_ptr, bounds, pieces, indices, at, out):
+    """The edges of range ``c`` whose source was not used earlier in it, in ``pieces``
+    parts each: counted into ``at[it]`` (``out`` empty), or their ``indices``
+    written to ``out`` from ``at[it]`` on."""
+    write = out.shape[0] > 0
+    for it in numba.prange(bounds.shape[0] * pieces - pieces):
         c, k = it // pieces, it % pieces
         a = bounds[c]
         e0, e1 = edge_ptr[a], edge_ptr[bounds[c + 1]]
         step = (e1 - e0 + pieces - 1) // pieces
         lo = e0 + k * step
-        hi = min(e1, lo + step)
-        cnt = 0
-        for e in range(lo, hi):
-            if prev[e] < a:
-                cnt += 1
-        partial[it] = cnt
-
-
-@numba.njit(parallel=True, cache=True)
-def _take_new(prev, edge_ptr, bounds, pieces, indices, offsets, out):
-    """:func:`_count_new`'s edges, their ``indices`` written at ``offsets`` of each piece."""
-    for it in numba.prange(offsets.shape[0] - 1):
-        c, k = it // pieces, it % pieces
-        a = bounds[c]
-        e0, e1 = edge_ptr[a], edge_ptr[bounds[c + 1]]
-        step = (e1 - e0 + pieces - 1) // pieces
-        lo = e0 + k * step
-        o = offsets[it]
+        o = at[it] if write else 0
         for e in range(lo, min(e1, lo + step)):
             if prev[e] < a:
-                out[o] = indices[e]
+                if write:
+                    out[o] = indices[e]
                 o += 1
+        if not write:
+            at[it] = o
 
 
 @numba.njit(cache=True)

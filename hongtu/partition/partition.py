@@ -64,7 +64,7 @@ class Partition:
         if graph.num_nodes != self.num_nodes:
             raise UserError(f"partition is for {self.num_nodes} vertices but the graph has "
                             f"{graph.num_nodes}; partition this graph again")
-        return graph.permute(self.perm)
+        return graph.permute(self.perm, self.inv)
 
     def chunk_range(self, i: int, j: int) -> tuple[int, int]:
         """``(start, stop)`` new ids of chunk ``j`` of part ``i``."""
