@@ -224,7 +224,7 @@ def warm_up(args) -> None:
     """Compile the numba kernels once (they are cached on disk, as after a user's first run):
     a run as the device's memory allows (resident on a GPU) and one out of core with rows
     kept across batches."""
-    from hongtu.dedup import _kernels
+    from hongtu.graph import _kernels
     from hongtu.reorg import reorg
 
     t0 = time.perf_counter()
@@ -233,8 +233,11 @@ def warm_up(args) -> None:
     # to count overlaps: compile every variant the workloads may take.
     try:
         for _kernels.SERIAL_BELOW, reorg._BITSET_BYTES in ((below, bits), (0, bits), (0, 0)):
+            # (Few chunks split each one's edges over the threads; many are
+            # dealt to them: both ways of counting a chunk's sources.)
             for engine in ({"chunks": 4},
-                           {"chunks": 8, "resident": False, "device_memory": "256MiB"}):
+                           {"chunks": 8, "resident": False, "device_memory": "256MiB"},
+                           {"chunks": 64, "resident": False}):
                 cfg = config_from_dict({
                     "data": {"path": "builtin:rmat-16"}, "model": {"hidden": 16},
                     "train": {"epochs": 1},

@@ -3,85 +3,19 @@ r"""numba kernels of the transfer planner.
 Every set here is a sorted, duplicate-free run of vertex ids stored as a
 *segment* ``vals[start:stop]`` of some flat array, so the planner never
 copies a set to look at it. The kernels are linear in the sizes of the sets
-they touch (merges, stamp arrays), never ``O(|V|)`` per set unless a bitmap
-scan is cheaper than the sort it replaces.
+they touch (merges), never ``O(|V|)`` per set. (Unions of unsorted
+segments are the partitioner's bitmap kernels,
+:func:`hongtu.partition._kernels.unique_union`.)
 """
 
 from __future__ import annotations
 
-import types
-
 import numba
-import numpy as np
 
-from hongtu.partition._kernels import count_unique_groups, sort_distinct
+from hongtu.graph._kernels import parallel_kernel
 
-__all__ = ["parallel_kernel", "count_unique", "fill_unique", "merge_sorted", "intersect_counts",
+__all__ = ["parallel_kernel", "merge_sorted", "intersect_counts",
            "assign_slots", "lookup_slots", "gather_segments"]
-
-#: Below this many elements (largest array argument) a kernel runs serially:
-#: waking the thread pool costs from ~0.1 ms up to a scheduler time slice on
-#: a loaded machine, more than the work itself.
-SERIAL_BELOW = 1 << 16
-
-
-class parallel_kernel:
-    """Compile a ``prange`` kernel twice: parallel for big inputs, serial for small ones.
-
-    The serial copy gets its own qualified name, so numba's on-disk cache
-    keeps the two apart.
-    """
-
-    def __init__(self, fn):
-        self.parallel = numba.njit(parallel=True, cache=True)(fn)
-        clone = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial",
-                                   fn.__defaults__, fn.__closure__)
-        clone.__qualname__ = fn.__qualname__ + "_serial"
-        clone.__doc__ = fn.__doc__
-        self.serial = numba.njit(cache=True)(clone)
-        self.__doc__ = fn.__doc__
-        self.__name__ = fn.__name__
-
-    def __call__(self, *args):
-        work = max((a.size for a in args if isinstance(a, np.ndarray)), default=0)
-        return (self.parallel if work >= SERIAL_BELOW else self.serial)(*args)
-
-
-#: the partitioner's distinct-count kernel, also in a serial twin for small inputs
-count_unique = parallel_kernel(count_unique_groups)
-
-
-@parallel_kernel
-def fill_unique(values, gptr, seg_start, seg_stop, num_nodes, workers, ptr, out):
-    """Write the sorted distinct values of every group to ``out[ptr[g]:ptr[g+1]]``.
-
-    Values are collected once (first-seen order) and then either sorted in
-    place or, when the id range they span is small next to ``k log k``,
-    re-emitted in order by scanning a per-worker flag array over that range.
-    """
-    num_groups = gptr.shape[0] - 1
-    for w in numba.prange(workers):
-        flag = np.zeros(num_nodes, dtype=np.uint8)
-        for g in range(w, num_groups, workers):
-            o = ptr[g]
-            cnt = ptr[g + 1] - o
-            if cnt == 0:
-                continue
-            lo = num_nodes
-            hi = -1
-            k = o
-            for s in range(gptr[g], gptr[g + 1]):
-                for e in range(seg_start[s], seg_stop[s]):
-                    u = values[e]
-                    if flag[u] == 0:
-                        flag[u] = 1
-                        out[k] = u
-                        k += 1
-                        if u < lo:
-                            lo = u
-                        if u > hi:
-                            hi = u
-            sort_distinct(out, o, cnt, lo, hi, flag, True)
 
 
 @parallel_kernel

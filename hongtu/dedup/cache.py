@@ -27,15 +27,14 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["keep_reused_rows", "row_presence"]
+from hongtu.graph._kernels import highest_bit, lowest_bit, popcount
+
+__all__ = ["keep_reused_rows"]
 
 _I64 = np.int64
 _U64 = np.uint64
-# De Bruijn multiplier: (lowest set bit * _DEBRUIJN) >> 58 indexes _BIT_OF.
-_DEBRUIJN = np.uint64(0x03F79D71B4CB0A89)
-_BIT_OF = np.zeros(64, dtype=np.int64)
-_BIT_OF[((np.uint64(1) << np.arange(64, dtype=np.uint64)) * _DEBRUIJN) >> np.uint64(58)] = \
-    np.arange(64)
+_ONE = np.uint64(1)
+_ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
 def _row_blocks(num_nodes: int) -> np.ndarray:
@@ -45,99 +44,99 @@ def _row_blocks(num_nodes: int) -> np.ndarray:
 
 
 @numba.njit(parallel=True, cache=True)
-def _presence(t_ptr, t_ids, bounds, ptr, cursor, steps, fill):
-    """Count (``fill`` false, into ``ptr[1:]``) or write the steps reading each row.
+def _presence(t_ptr, t_ids, bounds, pm):
+    """Bit ``s`` of row ``u``'s mask ``pm[u]``: step ``s`` reads row ``u``.
 
     Every block of rows finds its piece of each (sorted) set by binary search,
-    so blocks write disjoint rows and each row's steps come out ascending.
+    so blocks write disjoint rows.
     """
     for w in numba.prange(bounds.shape[0] - 1):
         r0, r1 = bounds[w], bounds[w + 1]
         for s in range(t_ptr.shape[0] - 1):
             seg = t_ids[t_ptr[s]:t_ptr[s + 1]]
+            bit = _ONE << np.uint64(s & 63)
             for k in range(np.searchsorted(seg, r0), np.searchsorted(seg, r1)):
-                u = seg[k]
-                if fill:
-                    steps[cursor[u]] = s
-                    cursor[u] += 1
-                else:
-                    ptr[u + 1] += 1
+                pm[seg[k], s >> 6] |= bit
 
 
-def row_presence(t_ptr: np.ndarray, t_ids: np.ndarray,
-                 num_nodes: int) -> tuple[np.ndarray, np.ndarray]:
-    """Transpose of the resident sets: ``(ptr, steps)``, the steps that read each row, ascending."""
-    t_ptr = np.ascontiguousarray(t_ptr, dtype=_I64)
-    t_ids = np.ascontiguousarray(t_ids)
-    bounds = _row_blocks(num_nodes)
-    pres_ptr = np.zeros(num_nodes + 1, dtype=_I64)
-    none = np.empty(0, dtype=np.int32)
-    _presence(t_ptr, t_ids, bounds, pres_ptr, pres_ptr, none, False)
-    np.cumsum(pres_ptr, out=pres_ptr)
-    pres_steps = np.empty(int(pres_ptr[-1]), dtype=np.int32)
-    _presence(t_ptr, t_ids, bounds, pres_ptr, pres_ptr[:-1].copy(), pres_steps, True)
-    return pres_ptr, pres_steps
+@numba.njit(cache=True, inline="always")
+def _first_last(m):
+    """First and last set step of a row's mask (``-1, -1`` when empty)."""
+    first, last = -1, -1
+    for w in range(m.shape[0]):
+        if m[w] != 0:
+            if first < 0:
+                first = 64 * w + lowest_bit(m[w])
+            last = 64 * w + highest_bit(m[w])
+    return first, last
 
 
-@numba.njit(parallel=True, cache=True)
-def _runs_and_gaps(pres_ptr, pres_steps, runs, gaps):
-    for u in numba.prange(pres_ptr.shape[0] - 1):
-        a, b = pres_ptr[u], pres_ptr[u + 1]
-        r = 0
-        g = 0
-        for t in range(a + 1, b):
-            d = pres_steps[t] - pres_steps[t - 1]
-            if d > 1:
-                r += 1
-                g += d - 1
-        runs[u] = r + 1 if b > a else 0
-        gaps[u] = g
+@numba.njit(cache=True, inline="always")
+def _span_word(first, last, w):
+    """Bits of steps ``first..last`` that fall in word ``w``."""
+    lo, hi = max(first, 64 * w), min(last, 64 * w + 63)
+    if lo > hi:
+        return np.uint64(0)
+    width = hi - lo + 1
+    ones = _ALL if width == 64 else (_ONE << np.uint64(width)) - _ONE
+    return ones << np.uint64(lo - 64 * w)
 
 
 @numba.njit(parallel=True, cache=True)
-def _gap_masks(cands, pres_ptr, pres_steps, masks):
+def _scores(pm, width, key):
+    """``key[u] = (runs - 1) * width + gap steps`` of row ``u`` read in more than one
+    run of consecutive steps, else ``-1`` (a run starts at a set bit whose step
+    before is clear)."""
+    words = pm.shape[1]
+    for u in numba.prange(pm.shape[0]):
+        m = pm[u]
+        runs, reads, carry = 0, 0, _U64(0)
+        for w in range(words):
+            x = m[w]
+            runs += popcount(x & ~((x << _ONE) | carry))
+            reads += popcount(x)
+            carry = x >> _U64(63)
+        if runs > 1:
+            first, last = _first_last(m)
+            key[u] = (runs - 1) * width + (last - first + 1 - reads)
+        else:
+            key[u] = -1
+
+
+@numba.njit(parallel=True, cache=True)
+def _gap_masks(cands, pm, masks):
     """Bit ``s`` of ``masks[j]``: candidate ``cands[j]`` passes step ``s`` unread."""
-    one = np.uint64(1)
     for j in numba.prange(cands.shape[0]):
-        u = cands[j]
-        for t in range(pres_ptr[u] + 1, pres_ptr[u + 1]):
-            for s in range(pres_steps[t - 1] + 1, pres_steps[t]):
-                masks[j, s >> 6] |= one << np.uint64(s & 63)
+        m = pm[cands[j]]
+        first, last = _first_last(m)
+        for w in range(masks.shape[1]):
+            masks[j, w] = _span_word(first, last, w) & ~m[w]
 
 
 @numba.njit(cache=True)
-def _counting_order(keys, num_keys):
-    """Stable order of ``keys`` (ascending, each in ``[0, num_keys)``)."""
-    start = np.zeros(num_keys + 1, dtype=np.int64)
-    for k in keys:
-        start[k + 1] += 1
-    for k in range(num_keys):
+def _counting_order(rank_of, pair, num_ranks):
+    """Stable order of ``pair`` by ``rank_of[pair]`` (ascending, in ``[0, num_ranks)``)."""
+    start = np.zeros(num_ranks + 1, dtype=np.int64)
+    for p in pair:
+        start[rank_of[p] + 1] += 1
+    for k in range(num_ranks):
         start[k + 1] += start[k]
-    order = np.empty(keys.shape[0], dtype=np.int64)
-    for j in range(keys.shape[0]):
-        order[start[keys[j]]] = j
-        start[keys[j]] += 1
+    order = np.empty(pair.shape[0], dtype=np.int64)
+    for j in range(pair.shape[0]):
+        k = rank_of[pair[j]]
+        order[start[k]] = j
+        start[k] += 1
     return order
 
 
-@numba.njit(parallel=True, cache=True)
-def _take_rows(a, idx):
-    out = np.empty((idx.shape[0], a.shape[1]), dtype=a.dtype)
-    for i in numba.prange(idx.shape[0]):
-        out[i] = a[idx[i]]
-    return out
-
-
 @numba.njit(cache=True)
-def _greedy(masks, owner, room, full, bit_of, take):
+def _greedy(masks, owner, room, full, take):
     """Take each candidate, in order, whose gap steps all have a free slot left.
 
     ``full[d]`` marks the steps of device ``d`` with none, so a candidate is
     checked in one AND per 64 steps; a taken one spends a slot at each of its
     gap steps.
     """
-    zero = np.uint64(0)
-    shift = np.uint64(58)
     kept = 0
     for i in range(masks.shape[0]):
         d = owner[i]
@@ -152,9 +151,9 @@ def _greedy(masks, owner, room, full, bit_of, take):
         kept += 1
         for w in range(masks.shape[1]):
             m = masks[i, w]
-            while m != zero:
-                low = m & (zero - m)
-                s = w * 64 + bit_of[(low * _DEBRUIJN) >> shift]
+            while m != 0:
+                low = m & (~m + _ONE)
+                s = w * 64 + lowest_bit(low)
                 room[d, s] -= 1
                 if room[d, s] <= 0:
                     full[d, w] |= low
@@ -163,7 +162,7 @@ def _greedy(masks, owner, room, full, bit_of, take):
 
 
 @numba.njit(parallel=True, cache=True)
-def _extended(pres_ptr, pres_steps, keep, bounds, offs, out, fill):
+def _extended(pm, keep, bounds, offs, out, fill):
     """Count (``fill`` false) or write each step's extended set per block of rows.
 
     A kept row is in every step from its first read to its last, any other
@@ -173,37 +172,38 @@ def _extended(pres_ptr, pres_steps, keep, bounds, offs, out, fill):
     """
     for w in numba.prange(bounds.shape[0] - 1):
         for u in range(bounds[w], bounds[w + 1]):
-            a, b = pres_ptr[u], pres_ptr[u + 1]
-            if a == b:
-                continue
+            m = pm[u]
             if keep[u]:
-                for s in range(pres_steps[a], pres_steps[b - 1] + 1):
+                first, last = _first_last(m)
+                for s in range(first, last + 1):
                     if fill:
                         out[offs[w, s]] = u
                     offs[w, s] += 1
-            else:
-                for t in range(a, b):
-                    s = pres_steps[t]
+                continue
+            for k in range(m.shape[0]):
+                x = m[k]
+                while x != 0:
+                    s = 64 * k + lowest_bit(x)
                     if fill:
                         out[offs[w, s]] = u
                     offs[w, s] += 1
+                    x &= x - _ONE
 
 
-def _score_order(runs: np.ndarray, gaps: np.ndarray) -> np.ndarray:
-    """Candidates best first by ``runs / gaps`` (runs here already minus one), ties by position.
+def _score_order(pair: np.ndarray, width: int) -> np.ndarray:
+    """Candidates best first by saving per slot, ``runs / gaps``, ties by position
+    (``pair = runs * width + gaps``, runs here already minus one).
 
-    A stable counting sort on the rank of each (runs, gaps) pair's value: the
-    pairs are few (both below the step count), the candidates many.
+    A stable counting sort on the rank of each pair's value: the pairs are
+    few (both below the step count), the candidates many.
     """
-    width = int(gaps.max()) + 1
-    pair = runs * width + gaps
     present = np.flatnonzero(np.bincount(pair, minlength=1))
     # Equal fractions are equal doubles (division is correctly rounded): one rank.
     values = (present // width) / (present % width)
     uniq, rank = np.unique(-values, return_inverse=True)
-    key = np.zeros(int(pair.max()) + 1, dtype=_I64)
+    key = np.zeros(int(present[-1]) + 1, dtype=_I64)
     key[present] = rank
-    return _counting_order(key[pair], uniq.shape[0])
+    return _counting_order(key, pair, uniq.shape[0])
 
 
 def keep_reused_rows(t_ptr: np.ndarray, t_ids: np.ndarray, num_nodes: int, extra: int,
@@ -231,19 +231,21 @@ def keep_reused_rows(t_ptr: np.ndarray, t_ids: np.ndarray, num_nodes: int, extra
     part_ptr = np.array([0, num_nodes], dtype=_I64) if part_ptr is None \
         else np.asarray(part_ptr, dtype=_I64)
     devices = part_ptr.shape[0] - 1
-    pres_ptr, pres_steps = row_presence(t_ptr, t_ids, num_nodes)
-    runs = np.empty(num_nodes, dtype=_I64)
-    gaps = np.empty(num_nodes, dtype=_I64)
-    _runs_and_gaps(pres_ptr, pres_steps, runs, gaps)
-    cands = np.flatnonzero(runs > 1)
+    words = (num_steps + 63) // 64
+    bounds = _row_blocks(num_nodes)
+    pm = np.zeros((num_nodes, words), dtype=_U64)  # the steps reading each row
+    _presence(t_ptr, t_ids, bounds, pm)
+    width = num_steps + 1  # above any gap count
+    key = np.empty(num_nodes, dtype=_I64)
+    _scores(pm, width, key)
+    cands = np.flatnonzero(key >= 0)
     if cands.size == 0:
         return t_ptr, t_ids, 0
     # Saving per slot spent, best first; ties in id order.
-    order = _score_order(runs[cands] - 1, gaps[cands])
-    masks = np.zeros((cands.shape[0], (num_steps + 63) // 64), dtype=_U64)
-    _gap_masks(cands, pres_ptr, pres_steps, masks)  # in id order: reads stream
-    masks = _take_rows(masks, order)
-    cands = cands[order]
+    cands = cands[_score_order(key[cands], width)]
+    del key
+    masks = np.empty((cands.shape[0], words), dtype=_U64)
+    _gap_masks(cands, pm, masks)
     # Set sizes per device and step: room = largest + extra - this one.
     sizes = np.empty((devices, num_steps), dtype=_I64)
     for s in range(num_steps):
@@ -253,21 +255,21 @@ def keep_reused_rows(t_ptr: np.ndarray, t_ids: np.ndarray, num_nodes: int, extra
     full = np.zeros((devices, masks.shape[1]), dtype=_U64)
     for d, s in zip(*np.nonzero(room <= 0)):
         full[d, s >> 6] |= _U64(1) << _U64(s & 63)
-    owner = np.searchsorted(part_ptr, cands, side="right").astype(_I64) - 1
+    owner = np.zeros(cands.shape[0], dtype=_I64) if devices == 1 else \
+        np.searchsorted(part_ptr, cands, side="right").astype(_I64) - 1
     take = np.zeros(cands.shape[0], dtype=np.bool_)
-    kept = int(_greedy(masks, owner, room, full, _BIT_OF, take))
+    kept = int(_greedy(masks, owner, room, full, take))
     if kept == 0:
         return t_ptr, t_ids, 0
     keep = np.zeros(num_nodes, dtype=np.bool_)
     keep[cands[take]] = True
     # Each step's set with the kept rows passing through it, in one transposition.
-    bounds = _row_blocks(num_nodes)
     offs = np.zeros((bounds.shape[0] - 1, num_steps), dtype=_I64)
     none = np.empty(0, dtype=t_ids.dtype)
-    _extended(pres_ptr, pres_steps, keep, bounds, offs, none, False)
+    _extended(pm, keep, bounds, offs, none, False)
     new_ptr = np.zeros(num_steps + 1, dtype=_I64)
     np.cumsum(offs.sum(axis=0), out=new_ptr[1:])
     offs = np.cumsum(offs, axis=0) - offs + new_ptr[:-1]
     new_ids = np.empty(int(new_ptr[-1]), dtype=t_ids.dtype)
-    _extended(pres_ptr, pres_steps, keep, bounds, offs, new_ids, True)
+    _extended(pm, keep, bounds, offs, new_ids, True)
     return new_ptr, new_ids, kept

@@ -21,18 +21,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 
 from hongtu.dedup import _kernels as K
 from hongtu.errors import UserError
+from hongtu.partition._kernels import unique_union
 
 __all__ = ["Volumes", "check_order", "consecutive_overlaps", "identity_order", "neighbour_sets",
            "transfer_volumes", "transition_sets", "union_sets"]
-
-
-def _workers(num_groups: int) -> int:
-    return max(1, min(num_groups, numba.get_num_threads()))
 
 
 def union_sets(values: np.ndarray, gptr: np.ndarray, seg_start: np.ndarray,
@@ -46,7 +42,7 @@ def union_sets(values: np.ndarray, gptr: np.ndarray, seg_start: np.ndarray,
         seg_start, seg_stop: int64 bounds of each segment in ``values``.
         num_nodes: ``|V|``.
         presorted: every segment is sorted and unique: merge them (sequential
-            reads) instead of stamping a ``|V|``-sized array.
+            reads) instead of marking them in a ``|V|``-bit bitmap.
 
     Returns:
         ``(ptr, ids)``: CSR of the ``G`` unions, ``ids`` of ``values``' dtype.
@@ -72,16 +68,11 @@ def union_sets(values: np.ndarray, gptr: np.ndarray, seg_start: np.ndarray,
         if ids.size:
             K.merge_sorted(values, gptr, seg_start, seg_stop, ptr, ids, counts)
         return ptr, ids
-    workers = _workers(num_groups)
-    K.count_unique(values, gptr, seg_start, seg_stop, num_nodes, workers, counts)
-    np.cumsum(counts, out=ptr[1:])
-    ids = np.empty(int(ptr[-1]), dtype=values.dtype)
-    K.fill_unique(values, gptr, seg_start, seg_stop, num_nodes, workers, ptr, ids)
-    return ptr, ids
+    return unique_union(values, gptr, seg_start, seg_stop, num_nodes, sets=True)
 
 
-def neighbour_sets(indptr: np.ndarray, indices: np.ndarray,
-                   chunk_ptr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def neighbour_sets(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarray,
+                   counts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     r"""The neighbour set :math:`N_c` of every chunk, as CSR.
 
     :math:`N_c` is the sorted set of distinct sources of the in-edges of
@@ -92,6 +83,8 @@ def neighbour_sets(indptr: np.ndarray, indices: np.ndarray,
         indptr: int64 in-edge CSC offsets of the renumbered graph (``|V|+1``).
         indices: sources of the in-edges (int32 or int64).
         chunk_ptr: int64 chunk boundaries (``m*n + 1``).
+        counts: the sets' sizes when known (e.g. the memory planner's
+            ``num_src`` of this chunking): saves a pass over the edges.
 
     Returns:
         ``(ptr, ids)``: ``ptr`` int64 ``(m*n + 1,)``, ``ids`` of ``indices``' dtype.
@@ -110,7 +103,8 @@ def neighbour_sets(indptr: np.ndarray, indices: np.ndarray,
     num_chunks = chunk_ptr.shape[0] - 1
     edges = indptr[chunk_ptr]
     gptr = np.arange(num_chunks + 1, dtype=np.int64)
-    return union_sets(indices, gptr, edges[:-1], edges[1:], num_nodes)
+    return unique_union(indices, gptr, edges[:-1], edges[1:], num_nodes, sets=True,
+                        seg_ptr=edges - edges[0], counts=counts)
 
 
 def identity_order(num_parts: int, num_chunks: int) -> np.ndarray:

@@ -26,7 +26,7 @@ from hongtu.errors import UserError
 from hongtu.graph import Graph
 from hongtu.nn.model import GNN
 from hongtu.partition import Chunker, Partition
-from hongtu.partition._kernels import RangeSources, distinct_sources
+from hongtu.partition._kernels import distinct_sources, unique_union
 
 __all__ = ["CHUNK_CANDIDATES", "ChunkSizes", "Chunkings", "choose_chunks", "chunk_sizes",
            "estimate_device_bytes", "resident_block_bytes", "spare_rows"]
@@ -140,35 +140,34 @@ class Chunkings:
     """The chunkings of one assignment tried for the chunk count, with their sizes.
 
     The renumbering is shared by every count (:class:`~hongtu.partition.Chunker`),
-    and so is one pass over the edges (:class:`~hongtu.partition._kernels.RangeSources`,
-    made at the first :meth:`get`): each count's sources are then a sequential
-    scan. :meth:`bound` gives, without looking at the edges, sizes no
-    chunking's are below (every chunk's destinations and edges, no sources),
-    so a count whose bound already misses the budget is never cut for real.
+    and so are the in-edge segments of the vertices in its order: each count
+    is then one bitmap pass over the edges
+    (:func:`~hongtu.partition._kernels.unique_union`). :meth:`bound` gives,
+    without looking at the edges, sizes no chunking's are below (every
+    chunk's destinations and edges, no sources), so a count whose bound
+    already misses the budget is never cut for real.
     """
 
     def __init__(self, graph: Graph, assignment: np.ndarray, num_parts: int) -> None:
         self.graph = graph
         self.chunker = Chunker(graph, assignment, num_parts)
-        self._cum = _in_edge_prefix(graph, self.chunker.perm)
+        self._cum = np.asarray(graph.indptr, dtype=np.int64) - graph.indptr[0] \
+            if self.chunker.ordered else _in_edge_prefix(graph, self.chunker.perm)
         self._cut: dict[int, tuple[Partition, ChunkSizes]] = {}
-        self._sources: RangeSources | None = None
+        self._segments: tuple[np.ndarray, np.ndarray] | None = None
 
     def get(self, n: int) -> tuple[Partition, ChunkSizes]:
         """``n`` chunks per part and their sizes."""
         if n not in self._cut:
             p = self.chunker.cut(n)
-            if self._sources is None:
-                self._sources = RangeSources(self.graph.indptr, self.graph.indices, p.perm,
-                                             edge_ptr=self._cum)
-            self._cut[n] = p, _sizes(self._cum, p.chunk_ptr, self._sources(p.chunk_ptr))
+            if self._segments is None:
+                indptr = np.asarray(self.graph.indptr, dtype=np.int64)
+                self._segments = (indptr[:-1], indptr[1:]) if self.chunker.ordered \
+                    else (indptr[p.perm], indptr[p.perm + 1])
+            num_src = unique_union(self.graph.indices, p.chunk_ptr, *self._segments,
+                                   self.graph.num_nodes, seg_ptr=self._cum)
+            self._cut[n] = p, _sizes(self._cum, p.chunk_ptr, num_src)
         return self._cut[n]
-
-    @property
-    def sources(self) -> RangeSources | None:
-        """The pass over the edges behind every count (``None`` before the first :meth:`get`);
-        its :meth:`~RangeSources.sets` give a chunking's neighbour sets."""
-        return self._sources
 
     def bound(self, n: int) -> ChunkSizes:
         """Lower bounds of the sizes of ``n`` chunks per part (sources counted as 0)."""

@@ -26,6 +26,7 @@ import torch
 
 from hongtu.calibrate import resolve_throughput
 from hongtu.config import Config, format_size, parse_size
+from hongtu.dedup import neighbour_sets
 from hongtu.engine.budget import (
     Chunkings,
     choose_chunks,
@@ -164,7 +165,6 @@ class Trainer:
                             f"{part_sizes.min()} vertices; use engine.chunks ≤ {part_sizes.min()}")
         part, sizes = self._chunkings.get(chunks)
         self.partition = dataclasses.replace(part, method=e.partitioner, seed=cfg.train.seed)
-        sources = self._chunkings.sources  # gives the planner its neighbour sets
         del self._chunkings  # the chunkings tried for the chunk count
         partition_s = time.perf_counter() - t_part
         self.estimate = estimate_device_bytes(self.model, sizes, itemsize,
@@ -191,8 +191,9 @@ class Trainer:
                 overlap=e.overlap, load_rows=dplan.max_later_load, resident=self.resident)
 
         blocks = resident_block_bytes(sizes, itemsize)
-        neighbours = sources.sets(self.partition.chunk_ptr, g.indices)
-        del sources
+        # (The sets' sizes are the sources the chunk count was chosen by.)
+        neighbours = neighbour_sets(g.indptr, g.indices, self.partition.chunk_ptr,
+                                    counts=sizes.num_src)
 
         def cache_rows(needs) -> int:
             """Rows the budget left after the plan keeps resident across batches."""

@@ -13,7 +13,10 @@ import math
 import numba
 import numpy as np
 
-__all__ = ["RangeSources", "count_cut_edges", "distinct_sources", "symmetric_csr"]
+from hongtu.graph import _kernels as _graph_kernels
+from hongtu.graph._kernels import lowest_bit, parallel_kernel, popcount
+
+__all__ = ["count_cut_edges", "distinct_sources", "symmetric_csr", "unique_union"]
 
 
 @numba.njit(cache=True)
@@ -108,30 +111,248 @@ def symmetric_csr(indptr: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, 
     return xadj, adjncy
 
 
-def count_unique_groups(values, gptr, seg_start, seg_stop, num_nodes, workers, counts):
-    """``counts[g]`` = number of distinct values in the segments of group ``g``.
+_ONE = np.uint64(1)
+_LOW6 = np.uint64(63)
+#: bitmaps of the split-group path, all pieces of a wave of groups together
+_BITS_BYTES = 1 << 30
 
-    Group ``g`` is the union of segments ``values[seg_start[s]:seg_stop[s]]``
-    for ``s`` in ``gptr[g]:gptr[g+1]``. One stamp array per worker (stamp =
-    group id) finds repeats without any reset; groups are dealt to workers
-    round-robin. Needs ``num_groups < 2**31``. Plain Python here: compiled
-    below for the partitioner and by :mod:`hongtu.dedup` for the planner.
+
+@numba.njit(cache=True)
+def _emit_bits(bits, lo, hi, out, o):
+    """Write the ids of the set bits of words ``bits[lo:hi]`` (bit ``j`` of word
+    ``i`` is id ``64 i + j``) to ``out[o:]`` in order, clearing the words."""
+    for i in range(lo, hi):
+        x = bits[i]
+        if x != 0:
+            bits[i] = 0
+            while x != 0:
+                out[o] = 64 * i + lowest_bit(x)
+                o += 1
+                x &= x - _ONE
+
+
+@parallel_kernel
+def _unique_dealt(values, gptr, seg_start, seg_stop, num_nodes, workers, ptr, out, counts):
+    """Distinct values of every group, groups dealt to ``workers`` round robin,
+    each worker with one ``num_nodes``-bit bitmap.
+
+    ``counts[g]`` = group ``g``'s distinct values. With ``out`` not empty
+    they are also written to ``out[ptr[g]:ptr[g+1]]`` sorted (when that is
+    their number). A group with at least as many values as the bitmap has
+    words is marked without looking (one OR a value), then counted or read
+    back in order word by word; a smaller one is marked by test-and-set,
+    collected in first-seen order and re-emitted from the bitmap over the
+    words they span, or sorted when that span is large next to ``k log k``.
+    Either way the bitmap is left clear for the next group.
     """
     num_groups = gptr.shape[0] - 1
+    words = (num_nodes + 63) // 64
+    write = out.shape[0] > 0
     for w in numba.prange(workers):
-        mark = np.full(num_nodes, -1, dtype=np.int32)
+        bits = np.zeros(words, dtype=np.uint64)
         for g in range(w, num_groups, workers):
-            c = 0
+            o = ptr[g] if write else 0
+            end = ptr[g + 1] if write else 0
+            edges = 0
+            for s in range(gptr[g], gptr[g + 1]):
+                edges += seg_stop[s] - seg_start[s]
+            if edges >= words:
+                for s in range(gptr[g], gptr[g + 1]):
+                    for e in range(seg_start[s], seg_stop[s]):
+                        u = values[e]
+                        bits[u >> 6] |= _ONE << (np.uint64(u) & _LOW6)
+                cnt = 0
+                for i in range(words):
+                    cnt += popcount(bits[i])
+                counts[g] = cnt
+                if write and cnt == end - o:
+                    _emit_bits(bits, 0, words, out, o)
+                else:  # (a wrong size given: nothing written)
+                    bits[:] = 0
+                continue
+            k = o
+            lo = words
+            hi = -1
             for s in range(gptr[g], gptr[g + 1]):
                 for e in range(seg_start[s], seg_stop[s]):
                     u = values[e]
-                    if mark[u] != g:
-                        mark[u] = g
-                        c += 1
-            counts[g] = c
+                    i = u >> 6
+                    b = _ONE << (np.uint64(u) & _LOW6)
+                    x = bits[i]
+                    if x & b == 0:
+                        bits[i] = x | b
+                        if write and k < end:
+                            out[k] = u
+                        k += 1
+                        lo = min(lo, i)
+                        hi = max(hi, i)
+            cnt = k - o
+            counts[g] = cnt
+            if cnt == 0:
+                continue
+            span = hi - lo + 1
+            if write and cnt == end - o and span <= cnt * (math.log2(cnt) + 1.0):
+                _emit_bits(bits, lo, hi + 1, out, o)
+                continue
+            if write and cnt == end - o:
+                out[o:k].sort()
+            if span <= edges:
+                bits[lo:hi + 1] = 0
+            else:  # few values spread wide: clear just their words
+                for s in range(gptr[g], gptr[g + 1]):
+                    for e in range(seg_start[s], seg_stop[s]):
+                        bits[values[e] >> 6] = 0
 
 
-_count_unique = numba.njit(parallel=True, cache=True)(count_unique_groups)
+@parallel_kernel
+def _unique_mark(values, gptr, seg_start, seg_ptr, pieces, rows):
+    """Row ``g*pieces + k``: bitmap of piece ``k`` of group ``g``'s values (the
+    group's ``seg_ptr``-concatenated segments cut into equal runs)."""
+    for it in numba.prange(rows.shape[0]):
+        g, k = it // pieces, it % pieces
+        row = rows[it]
+        row[:] = 0
+        s0, s1 = gptr[g], gptr[g + 1]
+        e0, e1 = seg_ptr[s0], seg_ptr[s1]
+        step = (e1 - e0 + pieces - 1) // pieces
+        lo = e0 + k * step
+        hi = min(e1, lo + step)
+        if lo >= hi:
+            continue
+        s = s0 + np.searchsorted(seg_ptr[s0:s1 + 1], lo, side="right") - 1
+        e = lo
+        while e < hi:
+            stop = min(hi, seg_ptr[s + 1])
+            shift = seg_start[s] - seg_ptr[s]
+            for t in range(e, stop):
+                u = values[shift + t]
+                row[u >> 6] |= _ONE << (np.uint64(u) & _LOW6)
+            e = stop
+            s += 1
+
+
+@parallel_kernel
+def _unique_blocks(rows, pieces, block, offs, out, counts):
+    """Per group and block of ``block`` words: OR the pieces' rows into the
+    first, then count the bits (``out`` empty, into ``counts[g, b]``) or write
+    their ids from ``out[offs[g, b]]`` on."""
+    words = rows.shape[1]
+    nblocks = counts.shape[1]
+    write = out.shape[0] > 0
+    for it in numba.prange(counts.shape[0] * nblocks):
+        g, b = it // nblocks, it % nblocks
+        first = g * pieces
+        a, z = b * block, min(words, (b + 1) * block)
+        if write:
+            _emit_bits(rows[first], a, z, out, offs[g, b])
+            continue
+        c = 0
+        for i in range(a, z):
+            x = rows[first, i]
+            for k in range(1, pieces):
+                x |= rows[first + k, i]
+            rows[first, i] = x
+            c += popcount(x)
+        counts[g, b] = c
+
+
+def unique_union(values: np.ndarray, gptr: np.ndarray, seg_start: np.ndarray,
+                 seg_stop: np.ndarray, num_nodes: int, sets: bool = False,
+                 seg_ptr: np.ndarray | None = None, counts: np.ndarray | None = None,
+                 threads: int | None = None):
+    r"""Distinct values of every group of segments: their counts, or the sorted sets.
+
+    Group ``g`` is the union of ``values[seg_start[s]:seg_stop[s]]`` for ``s``
+    in ``gptr[g]:gptr[g+1]``, values in ``[0, num_nodes)``. Every group is
+    marked in a ``num_nodes``-bit bitmap (an eighth of a byte per vertex, so
+    the random accesses stay in cache on graphs whose stamp or flag arrays
+    would not). With a group per thread or more the groups are dealt to the
+    threads; with fewer, each group's values are cut into pieces marked in
+    parallel and OR-ed, in waves of groups whose bitmaps fit
+    ``_BITS_BYTES``.
+
+    Args:
+        values: int32 or int64 ids.
+        gptr: int64 ``(G + 1,)`` group boundaries over the segments.
+        seg_start, seg_stop: int64 bounds of each segment in ``values``.
+        num_nodes: the id range.
+        sets: return the sets rather than their sizes.
+        seg_ptr: the running length of the segments (``S + 1``, ``0``
+            first), when the caller has it; computed when needed.
+        counts: with ``sets``, the sets' sizes when the caller has them
+            (from an earlier count): saves a pass.
+        threads: the threads to plan for (default numba's); more than
+            the groups take the split-group path.
+
+    Returns:
+        int64 counts ``(G,)``, or with ``sets`` ``(ptr, ids)``: CSR of the
+        sorted sets, ``ids`` of ``values``' dtype.
+    """
+    values = np.ascontiguousarray(values)
+    gptr = np.ascontiguousarray(gptr, dtype=np.int64)
+    seg_start = np.ascontiguousarray(seg_start, dtype=np.int64)
+    seg_stop = np.ascontiguousarray(seg_stop, dtype=np.int64)
+    num_groups = gptr.shape[0] - 1
+    given = None
+    if sets and counts is not None:
+        given = np.ascontiguousarray(counts, dtype=np.int64)
+        if given.shape != (max(num_groups, 0),):
+            raise ValueError(f"{given.shape[0]} counts given for {num_groups} groups")
+    counts = np.zeros(max(num_groups, 0), dtype=np.int64)
+    ptr = np.zeros(max(num_groups, 0) + 1, dtype=np.int64)
+    none = values[:0]
+    if num_groups <= 0 or values.shape[0] == 0:
+        if given is not None and given.any():
+            raise ValueError("the counts given are not the sizes of these sets")
+        return (ptr, none.copy()) if sets else counts
+    threads = threads or numba.get_num_threads()
+    words = (int(num_nodes) + 63) // 64
+    if num_groups >= threads or values.shape[0] < _graph_kernels.SERIAL_BELOW:
+        workers = max(1, min(num_groups, threads))
+        if given is None:
+            _unique_dealt(values, gptr, seg_start, seg_stop, num_nodes, workers, ptr, none,
+                          counts)
+        if not sets:
+            return counts
+        np.cumsum(counts if given is None else given, out=ptr[1:])
+        ids = np.empty(int(ptr[-1]), dtype=values.dtype)
+        if ids.size:
+            _unique_dealt(values, gptr, seg_start, seg_stop, num_nodes, workers, ptr, ids,
+                          counts)
+        if given is not None and not np.array_equal(counts, given):
+            raise ValueError("the counts given are not the sizes of these sets")
+        return ptr, ids
+    if seg_ptr is None:
+        seg_ptr = np.zeros(seg_start.shape[0] + 1, dtype=np.int64)
+        np.cumsum(seg_stop - seg_start, out=seg_ptr[1:])
+    seg_ptr = np.ascontiguousarray(seg_ptr, dtype=np.int64)
+    room = max(1, _BITS_BYTES // (8 * words))  # rows a wave may hold
+    pieces = max(1, min(-(-2 * threads // num_groups), room))
+    per_wave = max(1, room // pieces)
+    block = 4096
+    nblocks = -(-words // block)
+    out: list[np.ndarray] = []
+    for g0 in range(0, num_groups, per_wave):
+        g1 = min(num_groups, g0 + per_wave)
+        rows = np.empty(((g1 - g0) * pieces, words), dtype=np.uint64)
+        _unique_mark(values, gptr[g0:g1 + 1], seg_start, seg_ptr, pieces, rows)
+        part = np.empty((g1 - g0, nblocks), dtype=np.int64)
+        _unique_blocks(rows, pieces, block, part, none, part)
+        counts[g0:g1] = part.sum(axis=1)
+        if sets:
+            offs = np.zeros(part.size + 1, dtype=np.int64)
+            np.cumsum(part.ravel(), out=offs[1:])
+            ids = np.empty(int(offs[-1]), dtype=values.dtype)
+            if ids.size:
+                _unique_blocks(rows, pieces, block, offs[:-1].reshape(part.shape), ids, part)
+            out.append(ids)
+        del rows
+    if not sets:
+        return counts
+    if given is not None and not np.array_equal(counts, given):
+        raise ValueError("the counts given are not the sizes of these sets")
+    np.cumsum(counts, out=ptr[1:])
+    return ptr, np.concatenate(out) if len(out) > 1 else out[0]
 
 
 def distinct_sources(indptr: np.ndarray, indices: np.ndarray, perm: np.ndarray,
@@ -150,238 +371,10 @@ def distinct_sources(indptr: np.ndarray, indices: np.ndarray, perm: np.ndarray,
     Returns:
         int64 array of ``R`` counts.
     """
-    num_ranges = int(bounds.shape[0] - 1)
-    out = np.zeros(num_ranges, dtype=np.int64)
-    if num_ranges == 0:
-        return out
-    threads = numba.get_num_threads()
-    workers = max(1, min(num_ranges, threads))
     indptr = np.ascontiguousarray(indptr, dtype=np.int64)
     perm = np.ascontiguousarray(perm, dtype=np.int64)
-    indices = np.ascontiguousarray(indices)
-    bounds = np.ascontiguousarray(bounds, dtype=np.int64)
     # Range r is the union of the in-edge segments of its vertices, in perm order.
-    if 2 * num_ranges <= threads:  # few, large ranges: all threads on each in turn
-        _count_unique_few(indices, bounds, indptr[perm], indptr[perm + 1],
-                          indptr.shape[0] - 1, threads, out)
-    else:
-        _count_unique(indices, bounds, indptr[perm], indptr[perm + 1], indptr.shape[0] - 1,
-                      workers, out)
-    return out
-
-
-@numba.njit(parallel=True, cache=True)
-def _count_unique_few(values, gptr, seg_start, seg_stop, num_nodes, workers, counts):
-    """:func:`count_unique_groups` for fewer groups than threads: every thread
-    stamps a share of one group's segments into one shared array (all write
-    the same stamp, so the order of writes does not matter), then the stamps
-    are counted in parallel."""
-    mark = np.full(num_nodes, -1, dtype=np.int32)
-    part = np.zeros(workers, dtype=np.int64)
-    for g in range(gptr.shape[0] - 1):
-        a, b = gptr[g], gptr[g + 1]
-        step = (b - a + workers - 1) // workers
-        for w in numba.prange(workers):
-            for s in range(a + w * step, min(b, a + (w + 1) * step)):
-                for e in range(seg_start[s], seg_stop[s]):
-                    mark[values[e]] = g
-        rows = (num_nodes + workers - 1) // workers
-        for w in numba.prange(workers):
-            c = 0
-            for u in range(w * rows, min(num_nodes, (w + 1) * rows)):
-                if mark[u] == g:
-                    c += 1
-            part[w] = c
-        counts[g] = part.sum()
-
-
-_LAST_USE_BYTES = 2 << 30  # RangeSources' per-block scratch, all blocks together
-
-
-class RangeSources:
-    r"""Distinct in-neighbours of any contiguous ranges of one renumbering.
-
-    One pass over the edges records, for every edge in renumbered destination
-    order, the last earlier destination with the same source (``prev``); an
-    edge then brings a new source into a range ``[a, b)`` exactly when its
-    ``prev`` lies before ``a``. So the counts of any cut of the ids into
-    ranges (every chunk count the memory planner tries) are one sequential
-    scan of ``prev`` instead of a pass of random accesses each. Equal to
-    :func:`distinct_sources` (duplicate edges and self-loops included).
-
-    Args:
-        indptr, indices: in-edge CSC of the original graph.
-        perm: new id -> original id.
-        edge_ptr: running in-edge count over ``perm`` order (``N + 1``, ``0``
-            first); computed when ``None``.
-        blocks: destination blocks scanned in parallel (default: one per thread).
-
-    Memory: one ``E``-long ``prev`` (int32 below 2^31 vertices) and, while it
-    is built, one ``N``-long array per block (blocks capped so these stay
-    within 2 GiB).
-    """
-
-    def __init__(self, indptr: np.ndarray, indices: np.ndarray, perm: np.ndarray,
-                 edge_ptr: np.ndarray | None = None, blocks: int | None = None) -> None:
-        indptr = np.ascontiguousarray(indptr, dtype=np.int64)
-        perm = np.ascontiguousarray(perm, dtype=np.int64)
-        n = perm.shape[0]
-        if edge_ptr is None:
-            edge_ptr = np.zeros(n + 1, dtype=np.int64)
-            np.cumsum(np.diff(indptr)[perm], out=edge_ptr[1:])
-        self.edge_ptr = np.ascontiguousarray(edge_ptr, dtype=np.int64)
-        dtype = np.int32 if n < 2**31 - 1 else np.int64
-        cap = max(1, _LAST_USE_BYTES // max(1, n * np.dtype(dtype).itemsize))
-        blocks = max(1, min(n, cap, blocks or numba.get_num_threads()))
-        self.blocks = blocks
-        targets = np.linspace(0, self.edge_ptr[-1], blocks + 1)[1:-1]
-        vblocks = np.concatenate(([0], np.searchsorted(self.edge_ptr, targets), [n]))
-        last = np.empty((blocks, n), dtype=dtype)  # filled with -1 by the threads
-        self.prev = np.empty(int(self.edge_ptr[-1]), dtype=dtype)
-        _previous_uses(np.ascontiguousarray(indices), indptr[perm], self.edge_ptr,
-                       vblocks.astype(np.int64), last, self.prev)
-
-    def __call__(self, bounds: np.ndarray) -> np.ndarray:
-        """int64 count of distinct sources of each range ``[bounds[r], bounds[r+1])``."""
-        bounds = np.ascontiguousarray(bounds, dtype=np.int64)
-        ranges = bounds.shape[0] - 1
-        if ranges <= 0:
-            return np.zeros(max(ranges, 0), dtype=np.int64)
-        pieces = self._pieces(ranges)
-        return self._partial(bounds, pieces).reshape(ranges, pieces).sum(axis=1)
-
-    def _pieces(self, ranges: int) -> int:
-        return max(1, -(-2 * numba.get_num_threads() // ranges))
-
-    def _partial(self, bounds: np.ndarray, pieces: int) -> np.ndarray:
-        partial = np.empty((bounds.shape[0] - 1) * pieces, dtype=np.int64)
-        _new_sources(self.prev, self.edge_ptr, bounds, pieces, self.prev[:0], partial,
-                     self.prev[:0])
-        return partial
-
-    def sets(self, bounds: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The distinct sources of each range themselves, sorted, as CSR ``(ptr, ids)``.
-
-        ``indices`` are the sources of the renumbered graph (new ids), edge
-        for edge in this renumbering's order (:meth:`Graph.permute` keeps
-        each destination's edges in order), so the result is
-        :func:`~hongtu.dedup.neighbour_sets` of that graph: the edges that
-        bring a new source into their range are taken, then sorted, without
-        a pass of random accesses over all edges.
-        """
-        bounds = np.ascontiguousarray(bounds, dtype=np.int64)
-        indices = np.ascontiguousarray(indices)
-        if indices.shape != self.prev.shape:
-            raise ValueError(f"{indices.shape[0]} sources given for the {self.prev.shape[0]} "
-                             "edges of this renumbering")
-        ranges = bounds.shape[0] - 1
-        pieces = self._pieces(max(ranges, 1))
-        offsets = np.zeros(ranges * pieces + 1, dtype=np.int64)
-        np.cumsum(self._partial(bounds, pieces), out=offsets[1:])
-        ids = np.empty(int(offsets[-1]), dtype=indices.dtype)
-        if ids.size:
-            _new_sources(self.prev, self.edge_ptr, bounds, pieces, indices, offsets, ids)
-        ptr = offsets[::pieces].copy()
-        workers = max(1, min(ranges, numba.get_num_threads()))
-        _sort_segments(ids, ptr, self.edge_ptr.shape[0] - 1, workers)
-        return ptr, ids
-
-
-@numba.njit(parallel=True, cache=True)
-def _previous_uses(indices, seg_start, edge_ptr, vblocks, last, prev):
-    """``prev[e]``: the last destination before ``e``'s with ``e``'s source, or ``-1``.
-
-    Each thread scans a block of destinations with its own ``last`` row; then
-    every row becomes the last use before its block (a running max over the
-    blocks, per vertex), and edges without a use inside their block take it.
-    """
-    blocks, n = last.shape
-    for t in numba.prange(blocks):
-        mine = last[t]
-        mine[:] = -1
-        for v in range(vblocks[t], vblocks[t + 1]):
-            s = seg_start[v]
-            for k in range(edge_ptr[v + 1] - edge_ptr[v]):
-                u = indices[s + k]
-                prev[edge_ptr[v] + k] = mine[u]
-                mine[u] = v
-    step = 4096
-    for b in numba.prange((n + step - 1) // step):
-        for u in range(b * step, min(n, (b + 1) * step)):
-            run = -1
-            for t in range(blocks):
-                x = last[t, u]
-                last[t, u] = run
-                if x >= 0:
-                    run = x
-    for t in numba.prange(1, blocks):
-        before = last[t]
-        for v in range(vblocks[t], vblocks[t + 1]):
-            s = seg_start[v]
-            for k in range(edge_ptr[v + 1] - edge_ptr[v]):
-                e = edge_ptr[v] + k
-                if prev[e] < 0:
-                    prev[e] = before[indices[s + k]]
-
-
-@numba.njit(parallel=True, cache=True)
-def _new_sources(prev, edge_ptr, bounds, pieces, indices, at, out):
-    """The edges of range ``c`` whose source was not used earlier in it, in ``pieces``
-    parts each: counted into ``at[it]`` (``out`` empty), or their ``indices``
-    written to ``out`` from ``at[it]`` on."""
-    write = out.shape[0] > 0
-    for it in numba.prange(bounds.shape[0] * pieces - pieces):
-        c, k = it // pieces, it % pieces
-        a = bounds[c]
-        e0, e1 = edge_ptr[a], edge_ptr[bounds[c + 1]]
-        step = (e1 - e0 + pieces - 1) // pieces
-        lo = e0 + k * step
-        o = at[it] if write else 0
-        for e in range(lo, min(e1, lo + step)):
-            if prev[e] < a:
-                if write:
-                    out[o] = indices[e]
-                o += 1
-        if not write:
-            at[it] = o
-
-
-@numba.njit(cache=True)
-def sort_distinct(out, o, cnt, lo, hi, flag, flagged):
-    """Sort the distinct ids ``out[o:o+cnt]`` (all in ``[lo, hi]``) in place.
-
-    When ``[lo, hi]`` is small next to ``k log k`` the ids are re-emitted in
-    order by scanning ``flag`` over it, else sorted. ``flagged``: ``flag``
-    is already set at exactly these ids; it is left clear either way.
-    """
-    if hi - lo + 1 <= 2.0 * cnt * (math.log2(max(cnt, 1)) + 1.0):
-        if not flagged:
-            for t in range(o, o + cnt):
-                flag[out[t]] = 1
-        k = o
-        for u in range(lo, hi + 1):
-            if flag[u] != 0:
-                flag[u] = 0
-                out[k] = u
-                k += 1
-    else:
-        if flagged:
-            for t in range(o, o + cnt):
-                flag[out[t]] = 0
-        out[o:o + cnt].sort()
-
-
-@numba.njit(parallel=True, cache=True)
-def _sort_segments(ids, ptr, num_nodes, workers):
-    """Sort every segment ``ids[ptr[r]:ptr[r+1]]`` of distinct ids (segments dealt to workers)."""
-    num = ptr.shape[0] - 1
-    for w in numba.prange(workers):
-        flag = np.zeros(num_nodes, dtype=np.uint8)
-        for r in range(w, num, workers):
-            o, cnt = ptr[r], ptr[r + 1] - ptr[r]
-            if cnt > 0:
-                seg = ids[o:o + cnt]
-                sort_distinct(ids, o, cnt, seg.min(), seg.max(), flag, False)
+    return unique_union(indices, bounds, indptr[perm], indptr[perm + 1], indptr.shape[0] - 1)
 
 
 @numba.njit(parallel=True, cache=True)

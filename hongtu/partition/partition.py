@@ -129,6 +129,8 @@ class Chunker:
         self.part_sizes = np.bincount(assignment, minlength=self.num_parts)
         # Stable sort: within a part, vertices keep their original relative order.
         ordered = n_nodes == 0 or bool(np.all(assignment[1:] >= assignment[:-1]))
+        #: the parts are already in id order: ``perm`` is the identity
+        self.ordered = ordered
         if ordered:  # one part, or range parts: no renumbering
             self.perm = np.arange(n_nodes, dtype=np.int64)
         elif self.num_parts <= 16:  # a pass per part beats a sort

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from hongtu.dedup import (
     TransferPlan,
-    _kernels,
     check_order,
     identity_order,
     neighbour_sets,
@@ -21,6 +20,7 @@ from hongtu.dedup import (
 )
 from hongtu.errors import UserError
 from hongtu.graph import Graph
+from hongtu.graph import _kernels as graph_kernels
 from hongtu.partition import chunk_partition
 from tests.cases import CASES
 
@@ -270,7 +270,7 @@ def test_parallel_kernels_agree_with_serial(monkeypatch, devices):
     g, chunk_ptr = renumbered(CASES["halo_heavy"](), 3, 2)
     order = random_order(3, 2, 5)
     serial = plan_transfers(g.indptr, g.indices, chunk_ptr, 3, 2, order=order, devices=devices)
-    monkeypatch.setattr(_kernels, "SERIAL_BELOW", 0)
+    monkeypatch.setattr(graph_kernels, "SERIAL_BELOW", 0)
     par = plan_transfers(g.indptr, g.indices, chunk_ptr, 3, 2, order=order, devices=devices)
     a, b = serial.to_npz_dict(), par.to_npz_dict()
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
@@ -490,7 +490,7 @@ def test_slot_assignment_is_lowest_free(monkeypatch, reuse, serial):
     any order in the base array (the planner's no-p2p case)."""
     from hongtu.dedup.plan import _assign
 
-    monkeypatch.setattr(_kernels, "SERIAL_BELOW", 1 << 40 if serial else 0)
+    monkeypatch.setattr(graph_kernels, "SERIAL_BELOW", 1 << 40 if serial else 0)
     rng = np.random.default_rng(3)
     for trial in range(20):
         steps = int(rng.integers(1, 9))

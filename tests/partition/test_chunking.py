@@ -2,27 +2,23 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 
 import numpy as np
 import pytest
 
 from hongtu.errors import UserError
+from hongtu.graph import _kernels as graph_kernels
 from hongtu.partition import (
     METHODS,
     Chunker,
     Partition,
+    _kernels,
     assign_parts,
     chunk_partition,
     partition_graph,
 )
-from hongtu.partition._kernels import (
-    RangeSources,
-    _count_unique,
-    _count_unique_few,
-    distinct_sources,
-)
+from hongtu.partition._kernels import distinct_sources, unique_union
 from hongtu.partition.assign import balanced_cuts
 
 
@@ -198,81 +194,75 @@ def test_chunker_cuts_every_count_as_chunk_partition(make_random_graph):
         chunker.cut(101)
 
 
-@pytest.mark.parametrize("ranges", [1, 2, 3, 7])
-def test_distinct_sources_counts_each_range_union(make_random_graph, ranges):
-    g = make_random_graph(400, 5000, seed=5)
-    perm = np.random.default_rng(0).permutation(g.num_nodes)
-    bounds = np.linspace(0, g.num_nodes, ranges + 1).astype(np.int64)
-    expect = [np.unique(np.concatenate([g.indices[g.indptr[v]:g.indptr[v + 1]]
-                                        for v in perm[a:b]])).size
-              for a, b in zip(bounds[:-1], bounds[1:])]
-    assert distinct_sources(g.indptr, g.indices, perm, bounds).tolist() == expect
-    # Both kernels, whatever this machine's thread count picks: ranges dealt
-    # to workers, and all workers on one range at a time.
-    ip = np.asarray(g.indptr, dtype=np.int64)
-    for kernel in (_count_unique, _count_unique_few):
-        for workers in (1, 3):
-            out = np.zeros(ranges, dtype=np.int64)
-            kernel(g.indices, bounds, ip[perm], ip[perm + 1], g.num_nodes,
-                   min(workers, ranges) if kernel is _count_unique else workers, out)
-            assert out.tolist() == expect
+def _ranges_of(rng, n, cuts):
+    inner = np.sort(rng.choice(np.arange(1, n), cuts, replace=False))
+    return np.concatenate(([0], inner, [n])).astype(np.int64)
 
 
-@pytest.mark.parametrize("blocks", [1, 2, 5])
-def test_range_sources_equal_distinct_sources_for_any_cut(make_random_graph, blocks):
-    # One pass over the edges, then any cut: the same counts as a pass per cut,
-    # with repeated edges and self-loops, for any number of parallel blocks.
-    g = make_random_graph(300, 4000, seed=3)
+# Both paths and their variants: groups dealt to threads (serial twins on
+# inputs this small), groups split into pieces (more threads than groups;
+# parallel kernels), and pieces in waves when few bitmaps fit.
+_PATHS = [dict(threads=1), dict(threads=3), dict(threads=64, big=True),
+          dict(threads=64, big=True, room_rows=3), dict(threads=3, big=True)]
+
+
+@pytest.mark.parametrize("path", _PATHS)
+@pytest.mark.parametrize("ranges", [1, 2, 3, 7, 299])
+def test_unique_union_counts_and_sorted_sets_of_each_range(make_random_graph, monkeypatch,
+                                                          path, ranges):
+    # Range r of a renumbering: the union of its vertices' in-edge segments,
+    # with repeated sources, self-loops, empty and one-vertex ranges.
+    g = make_random_graph(300, 4000, seed=5)
     dup = g.indices.copy()
     dup[::7] = np.repeat(np.arange(g.num_nodes), np.diff(g.indptr))[::7]  # self-loops
     dup[1::11] = dup[0:-1:11]  # repeated sources within a vertex's in-edges
-    rng = np.random.default_rng(blocks)
+    rng = np.random.default_rng(ranges)
     perm = rng.permutation(g.num_nodes)
-    sources = RangeSources(g.indptr, dup, perm, blocks=blocks)
-    for cuts in (0, 1, 4, 17, 299):
-        inner = np.sort(rng.choice(np.arange(1, g.num_nodes), cuts, replace=False))
-        bounds = np.concatenate(([0], inner, [g.num_nodes])).astype(np.int64)
-        assert np.array_equal(sources(bounds), distinct_sources(g.indptr, dup, perm, bounds))
-    # Empty ranges count nothing.
-    assert sources(np.array([0, 0, 5, 5, g.num_nodes])).tolist()[::2] == [0, 0]
+    bounds = _ranges_of(rng, g.num_nodes, ranges - 1)
+    if ranges >= 7:
+        bounds[2] = bounds[1]  # an empty range
+    want = [np.unique(np.concatenate([dup[g.indptr[v]:g.indptr[v + 1]] for v in perm[a:b]]
+                                     + [np.empty(0, dup.dtype)]))
+            for a, b in zip(bounds[:-1], bounds[1:])]
+    if "room_rows" in path:  # bitmaps of 300 ids are 40 bytes
+        monkeypatch.setattr(_kernels, "_BITS_BYTES", 40 * path["room_rows"])
+    if path.get("big"):
+        monkeypatch.setattr(graph_kernels, "SERIAL_BELOW", 0)
+    ip = np.asarray(g.indptr, dtype=np.int64)
+    for values in (dup, dup.astype(np.int64)):
+        args = (values, bounds, ip[perm], ip[perm + 1], g.num_nodes)
+        counts = unique_union(*args, threads=path["threads"])
+        assert counts.tolist() == [w.size for w in want]
+        ptr, ids = unique_union(*args, sets=True, threads=path["threads"])
+        assert ids.dtype == values.dtype and np.diff(ptr).tolist() == counts.tolist()
+        for r, w in enumerate(want):
+            assert np.array_equal(ids[ptr[r]:ptr[r + 1]], w)
+        # Sizes known from a count: one pass fewer, the same sets; wrong ones refused.
+        ptr2, ids2 = unique_union(*args, sets=True, counts=counts, threads=path["threads"])
+        assert np.array_equal(ptr2, ptr) and np.array_equal(ids2, ids)
+        wrong = counts.copy()
+        wrong[-1] += 1
+        with pytest.raises(ValueError, match="not the sizes"):
+            unique_union(*args, sets=True, counts=wrong, threads=path["threads"])
+    assert distinct_sources(g.indptr, dup, perm, bounds).tolist() == counts.tolist()
 
 
-@pytest.mark.parametrize("blocks", [1, 3])
-def test_range_sources_sets_are_the_neighbour_sets(make_random_graph, blocks):
-    # The edges that bring a new source into a range, sorted, are the renumbered
-    # graph's neighbour sets, for cuts into ranges of every size (empty, one
-    # vertex, more ranges than threads, fewer) and ids spread wide (sorted) or
-    # packed (flag scan).
-    from hongtu.dedup import neighbour_sets
-
-    g = make_random_graph(300, 4000, seed=5)
-    dup = g.indices.copy()
-    dup[1::11] = dup[0:-1:11]
-    g = dataclasses.replace(g, indices=dup)
-    rng = np.random.default_rng(blocks)
-    perm = rng.permutation(g.num_nodes)
-    sources = RangeSources(g.indptr, g.indices, perm, blocks=blocks)
-    renumbered = g.permute(perm)
-    for cuts in (0, 1, 4, 17, 299):
-        inner = np.sort(rng.choice(np.arange(1, g.num_nodes), cuts, replace=False))
-        bounds = np.concatenate(([0], inner, [g.num_nodes])).astype(np.int64)
-        ptr, ids = sources.sets(bounds, renumbered.indices)
-        want_ptr, want_ids = neighbour_sets(renumbered.indptr, renumbered.indices, bounds)
-        assert np.array_equal(ptr, want_ptr) and np.array_equal(ids, want_ids)
-        assert ids.dtype == renumbered.indices.dtype
-    ptr, _ = sources.sets(np.array([0, 0, 5, 5, g.num_nodes]), renumbered.indices)
-    assert np.diff(ptr).tolist()[::2] == [0, 0]
-    with pytest.raises(ValueError, match="sources given"):
-        sources.sets(bounds, renumbered.indices[1:])
-
-
-def test_range_sources_scratch_cap_limits_blocks(make_random_graph, monkeypatch):
-    from hongtu.partition import _kernels
-
-    g = make_random_graph(200, 3000, seed=4)
-    perm = np.random.default_rng(1).permutation(g.num_nodes)
-    bounds = np.array([0, 50, 51, 120, g.num_nodes])
-    monkeypatch.setattr(_kernels, "_LAST_USE_BYTES", 2 * g.num_nodes * 4)  # room for 2 blocks
-    capped = RangeSources(g.indptr, g.indices, perm, blocks=8)
-    assert capped.blocks == 2
-    assert np.array_equal(capped(bounds), distinct_sources(g.indptr, g.indices, perm, bounds))
+@pytest.mark.parametrize("serial", [False, True])
+def test_unique_union_sorts_or_scans_by_spread(monkeypatch, serial):
+    # A few ids spread over a wide range are sorted; many packed ids are read
+    # back from the bitmap in order. Both leave the bitmap clean for the next
+    # group of the same thread (groups dealt round robin to one thread).
+    monkeypatch.setattr(graph_kernels, "SERIAL_BELOW", 1 << 40 if serial else 0)
+    n = 1 << 20
+    rng = np.random.default_rng(0)
+    wide = rng.choice(n, 50, replace=False)
+    packed = rng.integers(1000, 3000, 5000)
+    values = np.concatenate([wide, packed, wide[:10], packed[::3]]).astype(np.int32)
+    cuts = np.cumsum([0, wide.size, packed.size, 10, packed[::3].size])
+    gptr = np.arange(cuts.shape[0], dtype=np.int64)
+    ptr, ids = unique_union(values, gptr, cuts[:-1], cuts[1:], n, sets=True, threads=1)
+    for r in range(4):
+        assert np.array_equal(ids[ptr[r]:ptr[r + 1]],
+                              np.unique(values[cuts[r]:cuts[r + 1]]))
+    assert unique_union(values, gptr, cuts[:-1], cuts[1:], n, threads=1).tolist() == \
+        np.diff(ptr).tolist()

@@ -9,13 +9,13 @@ from hypothesis import strategies as st
 
 from hongtu.dedup import (
     Volumes,
-    _kernels,
     check_order,
     identity_order,
     neighbour_sets,
     plan_transfers,
 )
 from hongtu.graph import Graph
+from hongtu.graph import _kernels as graph_kernels
 from hongtu.reorg import (
     T_DD,
     T_HD,
@@ -111,7 +111,7 @@ def test_phase1_groups_chunks_with_shared_neighbours():
 def test_parallel_kernels_agree_with_serial(monkeypatch):
     g, chunk_ptr = renumbered(CASES["skewed"](), 3, 3, seed=1)
     serial = reorganize_report(g.indptr, g.indices, chunk_ptr, 3, 3)
-    monkeypatch.setattr(_kernels, "SERIAL_BELOW", 0)
+    monkeypatch.setattr(graph_kernels, "SERIAL_BELOW", 0)
     par = reorganize_report(g.indptr, g.indices, chunk_ptr, 3, 3)
     assert np.array_equal(serial.order, par.order) and serial.costs == par.costs
 
