@@ -179,7 +179,8 @@ def plan_transfers(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarra
                    reuse: bool = True, p2p: bool = True, devices: int = 1,
                    row_bytes: int | None = None,
                    neighbours: tuple[np.ndarray, np.ndarray] | None = None,
-                   cache_rows: int | Callable[[list[DeviceNeeds]], int] = 0) -> TransferPlan:
+                   cache_rows: int | Callable[[list[DeviceNeeds]], int] = 0,
+                   overlaps: np.ndarray | None = None) -> TransferPlan:
     r"""Plan the deduplicated host↔device transfers of one pass.
 
     Resident set of device ``d`` at step ``s`` (the rows it keeps in its own
@@ -214,6 +215,8 @@ def plan_transfers(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarra
         cache_rows: slots each device may add to keep reused rows resident
             across steps (0: none), or a function of the devices'
             :class:`DeviceNeeds` without kept rows that returns it (a budget).
+        overlaps: :func:`~hongtu.dedup.consecutive_overlaps` of the batches
+            of ``order``, when the caller has them (the reorganiser does).
 
     Returns:
         The :class:`~hongtu.dedup.types.TransferPlan`.
@@ -247,7 +250,10 @@ def plan_transfers(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarra
         raise ValueError(f"{nb_ptr.shape[0] - 1} neighbour sets given for {m * n} chunks")
     part_ptr = chunk_ptr[::n].copy()
     t_ptr, t_ids = transition_sets(nb_ptr, nb_ids, order, num_nodes)
-    overlaps = consecutive_overlaps(t_ptr, t_ids)
+    if overlaps is None:
+        overlaps = consecutive_overlaps(t_ptr, t_ids)
+    elif np.shape(overlaps) != (t_ptr.shape[0] - 2,):
+        raise ValueError(f"{np.size(overlaps)} overlaps given for {t_ptr.shape[0] - 1} batches")
     vol = transfer_volumes(nb_ptr, nb_ids, order, num_nodes, transitions=(t_ptr, t_ids),
                            overlaps=overlaps)
     slot_dtype = np.int32 if 2 * num_nodes + 1 < np.iinfo(np.int32).max else _I64

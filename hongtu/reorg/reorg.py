@@ -277,14 +277,15 @@ def _group(nb_ptr, nb_ids, m, n, num_nodes):
 
 
 def _chain(t_ptr, t_ids, num_nodes, max_starts=16):
-    """Phase 2 on given transition sets: the batch permutation."""
+    """Phase 2 on given transition sets: the batch permutation, and the overlap
+    matrix of the sets (``None`` when there are two or fewer)."""
     n = t_ptr.shape[0] - 1
     if n <= 2:
-        return np.arange(n, dtype=np.int64)
+        return np.arange(n, dtype=np.int64), None
     w = _overlap_matrix(t_ptr, t_ids, np.arange(n), t_ptr, t_ids, num_nodes)
     by_size = np.argsort(-np.diff(t_ptr), kind="stable")
     starts = by_size if n <= 256 else by_size[:max_starts]
-    return _nearest_chain(w, np.ascontiguousarray(starts, dtype=np.int64))
+    return _nearest_chain(w, np.ascontiguousarray(starts, dtype=np.int64)), w
 
 
 def group_batches(nb_ptr: np.ndarray, nb_ids: np.ndarray, num_parts: int, num_chunks: int,
@@ -311,7 +312,7 @@ def order_batches(nb_ptr: np.ndarray, nb_ids: np.ndarray, order: np.ndarray,
         max_starts: chain starts tried when there are more than 256 batches.
     """
     t_ptr, t_ids = transition_sets(nb_ptr, nb_ids, order, num_nodes)
-    return order[_chain(t_ptr, t_ids, num_nodes, max_starts)]
+    return order[_chain(t_ptr, t_ids, num_nodes, max_starts)[0]]
 
 
 @dataclass
@@ -324,12 +325,15 @@ class ReorgResult:
             ``'group+order'``).
         costs: seconds per pass of each candidate (:func:`cost`).
         volumes: :class:`~hongtu.dedup.Volumes` of each candidate.
+        overlaps: :func:`~hongtu.dedup.consecutive_overlaps` of the chosen
+            order's batches, when the reorganiser had them (else ``None``).
     """
 
     order: np.ndarray
     chosen: str
     costs: dict[str, float] = field(default_factory=dict)
     volumes: dict[str, Volumes] = field(default_factory=dict)
+    overlaps: np.ndarray | None = None
 
 
 def reorganize_report(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarray,
@@ -348,25 +352,31 @@ def reorganize_report(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.nda
         raise ValueError(f"{nb_ptr.shape[0] - 1} neighbour sets for {m} x {n} chunks")
     ident = identity_order(m, n)
     t_ident = transition_sets(nb_ptr, nb_ids, ident, num_nodes)
-    # name -> (order, transition sets of its batches in some base order, rows).
-    candidates = {"identity": (ident, t_ident, None)}
+    # name -> (order, transition sets of its batches in some base order, rows,
+    # the base sets' overlap matrix or None).
+    candidates = {"identity": (ident, t_ident, None, None)}
     if phase2:
-        rows = _chain(*t_ident, num_nodes)
-        candidates["order"] = (ident[rows], t_ident, rows)
+        rows, w = _chain(*t_ident, num_nodes)
+        candidates["identity"] = (ident, t_ident, None, w)
+        candidates["order"] = (ident[rows], t_ident, rows, w)
     if phase1 and m > 1:
         grouped, t_group = _group(nb_ptr, nb_ids, m, n, num_nodes)
-        rows = _chain(*t_group, num_nodes) if phase2 else None
-        candidates["group+order"] = (grouped if rows is None else grouped[rows], t_group, rows)
+        rows, w = _chain(*t_group, num_nodes) if phase2 else (None, None)
+        candidates["group+order"] = (grouped if rows is None else grouped[rows], t_group,
+                                     rows, w)
     res = ReorgResult(order=ident, chosen="identity")
-    for name, (order, trans, rows) in candidates.items():
+    for name, (order, trans, rows, w) in candidates.items():
         check_order(order, m, n)
+        # Consecutive overlaps of a reordering are entries of the chain's matrix.
+        seq = np.arange(n) if rows is None else rows
+        over = None if w is None else np.ascontiguousarray(w[seq[:-1], seq[1:]])
         vol = transfer_volumes(nb_ptr, nb_ids, order, num_nodes, row_bytes=row_bytes,
-                               transitions=trans, rows=rows)
+                               transitions=trans, rows=rows, overlaps=over)
         res.volumes[name] = vol
         res.costs[name] = cost(vol, t_hd, t_dd, t_ru, row_bytes)
         # Strictly cheaper only: on a tie the simpler (earlier) order stays.
-        if res.costs[name] < res.costs[res.chosen]:
-            res.order, res.chosen = order, name
+        if name == "identity" or res.costs[name] < res.costs[res.chosen]:
+            res.order, res.chosen, res.overlaps = order, name, over
     return res
 
 
@@ -419,12 +429,15 @@ def plan_batches(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarray,
     from hongtu.dedup import plan_transfers
 
     nb = neighbours if neighbours is not None else neighbour_sets(indptr, indices, chunk_ptr)
+    overlaps = None
     if reorg:
-        order = reorganize(indptr, indices, chunk_ptr, num_parts, num_chunks, neighbours=nb,
-                           row_bytes=row_bytes, t_hd=t_hd, t_dd=t_dd, t_ru=t_ru)
+        res = reorganize_report(indptr, indices, chunk_ptr, num_parts, num_chunks,
+                                neighbours=nb, row_bytes=row_bytes, t_hd=t_hd, t_dd=t_dd,
+                                t_ru=t_ru)
+        order, overlaps = res.order, res.overlaps
     else:
         order = identity_order(num_parts, num_chunks)
     plan = plan_transfers(indptr, indices, chunk_ptr, num_parts, num_chunks, order=order,
                           reuse=reuse, p2p=p2p, devices=devices, row_bytes=row_bytes,
-                          neighbours=nb, cache_rows=cache_rows)
+                          neighbours=nb, cache_rows=cache_rows, overlaps=overlaps)
     return order, plan

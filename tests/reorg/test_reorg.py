@@ -10,9 +10,11 @@ from hypothesis import strategies as st
 from hongtu.dedup import (
     Volumes,
     check_order,
+    consecutive_overlaps,
     identity_order,
     neighbour_sets,
     plan_transfers,
+    transition_sets,
 )
 from hongtu.graph import Graph
 from hongtu.graph import _kernels as graph_kernels
@@ -23,6 +25,7 @@ from hongtu.reorg import (
     cost,
     group_batches,
     order_batches,
+    plan_batches,
     reorganize,
     reorganize_report,
 )
@@ -77,6 +80,20 @@ def test_valid_and_never_worse(case, m, n):
     for name, vol in res.volumes.items():
         assert vol.v_ori == res.volumes["identity"].v_ori, name
     assert np.array_equal(reorganize(g.indptr, g.indices, chunk_ptr, m, n), order)
+    # The chosen order's overlaps, read off the chain's matrix, are the counted
+    # ones, and the plan made with them is the plan made without.
+    nb = neighbour_sets(g.indptr, g.indices, chunk_ptr)
+    counted = consecutive_overlaps(*transition_sets(*nb, order, g.num_nodes))
+    if n > 2:
+        assert np.array_equal(res.overlaps, counted)
+    got_order, plan = plan_batches(g.indptr, g.indices, chunk_ptr, m, n, cache_rows=3)
+    want = plan_transfers(g.indptr, g.indices, chunk_ptr, m, n, order=order, cache_rows=3)
+    a, b = plan.to_npz_dict(), want.to_npz_dict()
+    assert np.array_equal(got_order, order)
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="overlaps given"):
+        plan_transfers(g.indptr, g.indices, chunk_ptr, m, n, order=order,
+                       overlaps=np.zeros(n + 1, dtype=np.int64))
 
 
 def test_phase2_chains_similar_batches():
