@@ -14,8 +14,9 @@ Models: ``gcn2``, ``gcn3`` (hidden 256) and ``gat2`` (4 heads x 64 = 256).
 Systems: ``hongtu`` (dedup + reorg + overlap, spare budget keeps reused rows),
 ``baseline`` (no reuse, no P2P, no reorg), ``resident`` (every buffer on the
 device, HongTu-IM), ``pyg`` (PyG in memory: GCNConv on a torch CSR adjacency,
-GATConv on edge_index, or OOM); ``serial`` (hongtu without overlap) and
-``nocache`` (hongtu without kept rows) isolate one feature each. ``NAME@N``
+GATConv on edge_index, or OOM); ``serial`` (hongtu without overlap),
+``nocache`` (hongtu without kept rows) and ``recompute`` (hongtu without
+cached aggregates, ``engine.checkpoint=recompute``) isolate one feature each. ``NAME@N``
 runs a hongtu system with ``engine.chunks=N`` (same budget) instead of the
 fewest chunks that fit.
 
@@ -82,6 +83,9 @@ SYSTEMS = {
     "resident": {"dedup": {"reuse": True, "p2p": True}, "reorg": True, "resident": True},
     "nocache": {"dedup": {"reuse": True, "p2p": True, "cache": False}, "reorg": True,
                 "resident": False},
+    # hongtu without cached aggregates: backward reloads neighbour rows instead
+    "recompute": {"dedup": {"reuse": True, "p2p": True}, "reorg": True, "resident": False,
+                  "checkpoint": "recompute"},
 }
 
 

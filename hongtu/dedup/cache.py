@@ -222,6 +222,9 @@ def keep_reused_rows(t_ptr: np.ndarray, t_ids: np.ndarray, num_nodes: int, extra
     Returns:
         ``(ptr, ids, kept)``: the extended sets (each a sorted superset of
         the input's) and how many rows are kept through a gap.
+
+    Memory: a mask of the steps reading each row (8 bytes per row and 64
+    steps) and one of each candidate's gap steps (as many per candidate).
     """
     t_ptr = np.ascontiguousarray(t_ptr, dtype=_I64)
     t_ids = np.ascontiguousarray(t_ids)
