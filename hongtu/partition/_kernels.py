@@ -139,7 +139,7 @@ def _unique_dealt(values, gptr, seg_start, seg_stop, num_nodes, workers, ptr, ou
     ``counts[g]`` = group ``g``'s distinct values. With ``out`` not empty
     they are also written to ``out[ptr[g]:ptr[g+1]]`` sorted (when that is
     their number). A group with at least as many values as the bitmap has
-    words is marked without looking (one OR a value), then counted or read
+    words is marked without looking (one OR per value), then counted or read
     back in order word by word; a smaller one is marked by test-and-set,
     collected in first-seen order and re-emitted from the bitmap over the
     words they span, or sorted when that span is large next to ``k log k``.
