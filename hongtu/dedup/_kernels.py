@@ -5,7 +5,7 @@ Every set here is a sorted, duplicate-free run of vertex ids stored as a
 copies a set to look at it. The kernels are linear in the sizes of the sets
 they touch (merges), never ``O(|V|)`` per set. (Unions of unsorted
 segments are the partitioner's bitmap kernels,
-:func:`hongtu.partition._kernels.unique_union`.)
+:func:`hongtu.graph._kernels.unique_union`.)
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import numpy as np
 
 from hongtu.dedup import _kernels as K
 from hongtu.errors import UserError
-from hongtu.partition._kernels import unique_union
+from hongtu.graph._kernels import unique_union
 
 __all__ = ["Volumes", "check_order", "consecutive_overlaps", "identity_order", "neighbour_sets",
            "transfer_volumes", "transition_sets", "union_sets"]

@@ -24,9 +24,10 @@ import numpy as np
 from hongtu.config import format_size
 from hongtu.errors import UserError
 from hongtu.graph import Graph
+from hongtu.graph._kernels import unique_union
 from hongtu.nn.model import GNN
 from hongtu.partition import Chunker, Partition
-from hongtu.partition._kernels import distinct_sources, unique_union
+from hongtu.partition._kernels import distinct_sources
 
 __all__ = ["CHUNK_CANDIDATES", "ChunkSizes", "Chunkings", "choose_chunks", "chunk_sizes",
            "estimate_device_bytes", "resident_block_bytes", "spare_rows"]
@@ -142,7 +143,7 @@ class Chunkings:
     The renumbering is shared by every count (:class:`~hongtu.partition.Chunker`),
     and so are the in-edge segments of the vertices in its order: each count
     is then one bitmap pass over the edges
-    (:func:`~hongtu.partition._kernels.unique_union`). :meth:`bound` gives,
+    (:func:`~hongtu.graph._kernels.unique_union`). :meth:`bound` gives,
     without looking at the edges, sizes no chunking's are below (every
     chunk's destinations and edges, no sources), so a count whose bound
     already misses the budget is never cut for real.

@@ -11,6 +11,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 import torch
 
@@ -20,6 +21,8 @@ from hongtu.nn.block import Block, block_scratch, build_block
 __all__ = ["ChunkSet"]
 
 _MAX_WORKERS = 8
+#: edges from which a lone block is cut on all threads (below, waking them costs more)
+_PARALLEL_EDGES = 1 << 20
 
 
 @dataclass
@@ -55,17 +58,26 @@ class ChunkSet:
         mine = list(range(num_parts * n) if part is None else range(part * n, (part + 1) * n))
         blocks: list[Block | None] = [None] * (num_parts * n)
         # Blocks are cut by a numba kernel that releases the GIL: a few threads,
-        # each with its own |V| scratch, build them side by side.
-        workers = max(1, min(len(mine), os.cpu_count() or 1, _MAX_WORKERS))
-
-        def build(group: list[int]) -> None:
+        # each with its own |V| scratch, build them side by side. Fewer big
+        # blocks than half the threads are each cut on all threads, in turn.
+        if 2 * len(mine) <= numba.get_num_threads() and graph.num_edges >= _PARALLEL_EDGES:
             scratch = block_scratch(graph.num_nodes)
-            for c in group:
+            for c in mine:
                 blocks[c] = build_block(graph.indptr, graph.indices, in_deg, int(chunk_ptr[c]),
-                                        int(chunk_ptr[c + 1]), dtype, scratch=scratch)
+                                        int(chunk_ptr[c + 1]), dtype, scratch=scratch,
+                                        parallel=True)
+        else:
+            workers = max(1, min(len(mine), os.cpu_count() or 1, _MAX_WORKERS))
 
-        with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(build, [mine[w::workers] for w in range(workers)]))
+            def build(group: list[int]) -> None:
+                scratch = block_scratch(graph.num_nodes)
+                for c in group:
+                    blocks[c] = build_block(graph.indptr, graph.indices, in_deg,
+                                            int(chunk_ptr[c]), int(chunk_ptr[c + 1]), dtype,
+                                            scratch=scratch)
+
+            with ThreadPoolExecutor(workers) as pool:
+                list(pool.map(build, [mine[w::workers] for w in range(workers)]))
         row0 = 0 if part is None else int(chunk_ptr[part * n])
         return cls(blocks, num_parts, n, np.asarray(chunk_ptr, dtype=np.int64), row0)
 

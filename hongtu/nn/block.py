@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from hongtu.graph._kernels import unique_union
+
 __all__ = ["Block", "block_scratch", "build_block"]
 
 
@@ -182,6 +184,53 @@ def _block_arrays(indptr, indices, dst_start, dst_stop, pos):
     return src_ids, local, row_ptr, t_indptr, t_perm, t_indices
 
 
+@numba.njit(parallel=True, cache=True)
+def _block_arrays_parallel(indptr, indices, dst_start, dst_stop, src_ids, pos, workers):
+    """:func:`_block_arrays` for one big block, on all threads, given its sorted sources.
+
+    The transpose is split by source: worker ``t`` owns the sources
+    ``[t*k/workers, (t+1)*k/workers)`` and scans every edge in CSR order twice
+    (count, then place), so each source's edges keep their order.
+    """
+    e0, e1 = indptr[dst_start], indptr[dst_stop]
+    num_e = e1 - e0
+    k = src_ids.shape[0]
+    for i in numba.prange(k):
+        pos[src_ids[i]] = i
+    local = np.empty(num_e, dtype=np.int64)
+    for e in numba.prange(num_e):
+        local[e] = pos[indices[e0 + e]]
+    for i in numba.prange(k):
+        pos[src_ids[i]] = -1
+    num_dst = dst_stop - dst_start
+    row_ptr = np.empty(num_dst + 1, dtype=np.int64)
+    for d in numba.prange(num_dst + 1):
+        row_ptr[d] = indptr[dst_start + d] - e0
+    t_indptr = np.zeros(k + 1, dtype=np.int64)
+    for t in numba.prange(workers):
+        a, b = t * k // workers, (t + 1) * k // workers
+        for e in range(num_e):
+            q = local[e]
+            if a <= q < b:
+                t_indptr[q + 1] += 1
+    for i in range(k):
+        t_indptr[i + 1] += t_indptr[i]
+    t_perm = np.empty(num_e, dtype=np.int64)
+    t_indices = np.empty(num_e, dtype=np.int64)
+    fill = t_indptr[:-1].copy()
+    for t in numba.prange(workers):
+        a, b = t * k // workers, (t + 1) * k // workers
+        for d in range(num_dst):
+            for e in range(row_ptr[d], row_ptr[d + 1]):
+                q = local[e]
+                if a <= q < b:
+                    f = fill[q]
+                    fill[q] = f + 1
+                    t_perm[f] = e
+                    t_indices[f] = d
+    return local, row_ptr, t_indptr, t_perm, t_indices
+
+
 def block_scratch(num_nodes: int) -> np.ndarray:
     """Scratch for :func:`build_block` (one per thread building blocks)."""
     return np.full(num_nodes, -1, dtype=np.int32 if num_nodes < 2**31 else np.int64)
@@ -189,7 +238,8 @@ def block_scratch(num_nodes: int) -> np.ndarray:
 
 def build_block(indptr: np.ndarray, indices: np.ndarray, in_deg: np.ndarray,
                 dst_start: int, dst_stop: int, dtype: torch.dtype = torch.float32,
-                src_ids: np.ndarray | None = None, scratch: np.ndarray | None = None) -> Block:
+                src_ids: np.ndarray | None = None, scratch: np.ndarray | None = None,
+                parallel: bool = False) -> Block:
     """Cut the block of destinations ``[dst_start, dst_stop)`` out of a global CSC.
 
     Args:
@@ -203,10 +253,22 @@ def build_block(indptr: np.ndarray, indices: np.ndarray, in_deg: np.ndarray,
             source buffer is the whole ``h``.
         scratch: :func:`block_scratch` of the graph, reused across calls
             (default: a new one).
+        parallel: cut it on all threads (for a block too big to build
+            alone while others are built beside it); the same arrays.
     """
     indptr = np.asarray(indptr, dtype=np.int64)
     num_dst = dst_stop - dst_start
-    if src_ids is None:
+    if src_ids is None and parallel:
+        pos = block_scratch(indptr.shape[0] - 1) if scratch is None else scratch
+        indices = np.asarray(indices)
+        e0, e1 = indptr[dst_start], indptr[dst_stop]
+        _, src_ids = unique_union(indices, np.array([0, 1]), np.array([e0]), np.array([e1]),
+                                  indptr.shape[0] - 1, sets=True)
+        src_ids = src_ids.astype(np.int64, copy=False)
+        local, row_ptr, t_indptr, t_perm, t_indices = _block_arrays_parallel(
+            indptr, indices, int(dst_start), int(dst_stop), src_ids, pos,
+            numba.get_num_threads())
+    elif src_ids is None:
         pos = block_scratch(indptr.shape[0] - 1) if scratch is None else scratch
         src_ids, local, row_ptr, t_indptr, t_perm, t_indices = _block_arrays(
             indptr, np.asarray(indices), int(dst_start), int(dst_stop), pos)

@@ -286,19 +286,23 @@ def test_dropout_multidim_rows():
     torch.testing.assert_close(out, mask.float() / 0.7)
 
 
-def test_block_kernel_equals_the_numpy_cut():
-    """The numba cut (distinct sources by stamping, transpose by counting sort) gives
-    the same block as sorting: sources from np.unique, the transpose by a stable argsort."""
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_block_kernel_equals_the_numpy_cut(parallel, dtype):
+    """The numba cuts (distinct sources by stamping or from a bitmap, transpose by a
+    counting sort, serial or split by source over the threads) give the same block as
+    sorting: sources from np.unique, the transpose by a stable argsort."""
     rng = np.random.default_rng(0)
     n, e = 300, 4000
-    indices = rng.integers(0, n, e)
+    indices = rng.integers(0, n, e).astype(dtype)
+    indices[::9] = indices[1::9][: indices[::9].shape[0]]  # repeated sources
     indptr = np.zeros(n + 1, dtype=np.int64)
     indptr[1:] = np.sort(rng.integers(0, e + 1, n))
     indptr[-1] = e
     deg = np.diff(indptr).astype(np.float64)
     scratch = block_scratch(n)
     for a, b in [(0, n), (10, 11), (37, 200), (5, 5)]:
-        fast = build_block(indptr, indices, deg, a, b, scratch=scratch)
+        fast = build_block(indptr, indices, deg, a, b, scratch=scratch, parallel=parallel)
         want = build_block(indptr, indices, deg, a, b,
                            src_ids=np.unique(indices[indptr[a]:indptr[b]]))
         for f in ("indptr", "indices", "t_indptr", "t_indices", "t_perm", "src_ids",
