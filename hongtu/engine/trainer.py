@@ -159,11 +159,7 @@ class Trainer:
                                       chunkings=self._chunkings, overlap=e.overlap)
         elif chunks is None:
             chunks = e.chunks
-        part_sizes = self._chunkings.chunker.part_sizes
-        if chunks > part_sizes.min():
-            raise UserError(f"engine.chunks={chunks} but the smallest part has only "
-                            f"{part_sizes.min()} vertices; use engine.chunks ≤ {part_sizes.min()}")
-        part, sizes = self._chunkings.get(chunks)
+        part, sizes = self._chunkings.get(chunks)  # (a part too small for them: UserError)
         self.partition = dataclasses.replace(part, method=e.partitioner, seed=cfg.train.seed)
         del self._chunkings  # the chunkings tried for the chunk count
         partition_s = time.perf_counter() - t_part
