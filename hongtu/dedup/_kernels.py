@@ -4,7 +4,7 @@ Every set here is a sorted, duplicate-free run of vertex ids stored as a
 *segment* ``vals[start:stop]`` of some flat array, so the planner never
 copies a set to look at it. The kernels are linear in the sizes of the sets
 they touch (merges), never ``O(|V|)`` per set. (Unions of unsorted
-segments are the partitioner's bitmap kernels,
+segments are the shared bitmap kernels,
 :func:`hongtu.graph._kernels.unique_union`.)
 """
 
@@ -14,7 +14,7 @@ import numba
 
 from hongtu.graph._kernels import parallel_kernel
 
-__all__ = ["parallel_kernel", "merge_sorted", "intersect_counts",
+__all__ = ["merge_sorted", "intersect_counts",
            "assign_slots", "lookup_slots", "gather_segments"]
 
 

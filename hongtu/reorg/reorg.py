@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import numba
 import numpy as np
 
-from hongtu.dedup._kernels import parallel_kernel
+from hongtu.graph._kernels import parallel_kernel
 
 if TYPE_CHECKING:
     from hongtu.dedup.plan import DeviceNeeds
@@ -354,10 +354,9 @@ def reorganize_report(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.nda
     t_ident = transition_sets(nb_ptr, nb_ids, ident, num_nodes)
     # name -> (order, transition sets of its batches in some base order, rows,
     # the base sets' overlap matrix or None).
-    candidates = {"identity": (ident, t_ident, None, None)}
+    rows, w = _chain(*t_ident, num_nodes) if phase2 else (None, None)
+    candidates = {"identity": (ident, t_ident, None, w)}
     if phase2:
-        rows, w = _chain(*t_ident, num_nodes)
-        candidates["identity"] = (ident, t_ident, None, w)
         candidates["order"] = (ident[rows], t_ident, rows, w)
     if phase1 and m > 1:
         grouped, t_group = _group(nb_ptr, nb_ids, m, n, num_nodes)
