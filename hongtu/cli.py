@@ -182,6 +182,7 @@ def _cmd_train(args) -> int:
     except Interrupted as e:
         print(f"hongtu: {e}", file=sys.stderr)
         return 130
+    trainer.close()
     if records and records[-1]["test_acc"] is not None:
         r = records[-1]
         out(f"done: epoch {r['epoch'] + 1}, final test accuracy {r['test_acc']:.4f}; "

@@ -32,6 +32,7 @@ class Comm:
     rank: int
     world: int
     local_rank: int
+    owned: bool = False  # this Comm joined the group, so it is the one to leave it
 
     def exchange(self, out: Tensor, out_counts: list[int], inp: Tensor,
                  in_counts: list[int]) -> None:
@@ -67,14 +68,29 @@ class Comm:
     def barrier(self) -> None:
         dist.barrier()
 
+    def close(self) -> None:
+        """Leave the process group together, once every rank is done with it.
+
+        The barrier keeps a rank from tearing its end down while a peer still
+        talks to it; destroying the group before the interpreter exits keeps
+        the backend's worker threads from outliving it (a rank that dies at
+        exit fails the whole launch, and torchrun's other nodes then wait out
+        their exit barrier). A group this Comm did not create is left alone.
+        """
+        if self.owned and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+        self.owned = False
+
 
 def init_from_env(cuda: bool, timeout_s: float) -> Comm:
     """Join the process group described by torchrun's environment variables."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
-    if not dist.is_initialized():
+    owned = not dist.is_initialized()
+    if owned:
         if cuda:
             torch.cuda.set_device(local)
         dist.init_process_group("nccl" if cuda else "gloo",
                                 timeout=datetime.timedelta(seconds=timeout_s))
-    return Comm(rank, world, local)
+    return Comm(rank, world, local, owned)

@@ -456,6 +456,11 @@ class Trainer:
                                    f"in '{name}'; training stopped before the optimizer step "
                                    "(the last checkpoint is kept); lower train.lr")
 
+    def close(self) -> None:
+        """Leave the process group (all ranks together) after a distributed run."""
+        if self.comm is not None:
+            self.comm.close()
+
     def save(self) -> Path:
         """Write the model (with the id permutation) to ``output.dir/model.pt`` atomically."""
         path = self.outdir / "model.pt"

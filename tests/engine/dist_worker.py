@@ -27,8 +27,7 @@ def run_rank(rank: int, world: int, port: int, out: str, jobs: list[dict]) -> No
     torch.set_num_threads(1)
     for k, job in enumerate(jobs):
         torch.save(run_job(rank, world, comm, **job), os.path.join(out, f"job{k}-rank{rank}.pt"))
-    comm.barrier()
-    torch.distributed.destroy_process_group()
+    comm.close()
 
 
 def run_job(rank, world, comm, case: str, layer: str, chunks: int, checkpoint: str,

@@ -95,3 +95,28 @@ def test_dedup_switches_and_counted_rows(two, k):
         assert ev["d2h_rows"] == (L - 1) * r["own_rows"] + r["own_rows"]
     assert ranks[0]["total"] == ranks[1]["total"]  # accuracy counts are reduced over ranks
     assert ranks[0]["total"]["train"] == int(CASES["skewed"](seed=1).train_mask.sum())
+
+
+def test_comm_leaves_only_the_group_it_joined(monkeypatch):
+    """close() tears down a group init_from_env created, never one the caller made."""
+    import torch.distributed as dist
+
+    from hongtu.engine.comm import init_from_env
+
+    for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
+                     WORLD_SIZE="1", LOCAL_RANK="0").items():
+        monkeypatch.setenv(k, v)
+    comm = init_from_env(cuda=False, timeout_s=30)
+    assert comm.owned and dist.is_initialized()
+    comm.close()
+    assert not dist.is_initialized()
+    comm.close()  # a second close is a no-op
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo")
+    try:
+        theirs = init_from_env(cuda=False, timeout_s=30)
+        assert not theirs.owned
+        theirs.close()
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
