@@ -47,16 +47,23 @@ class ChunkSet:
 
     @classmethod
     def build(cls, graph: Graph, chunk_ptr: np.ndarray, num_parts: int, num_chunks: int,
-              dtype: torch.dtype = torch.float32, part: int | None = None) -> ChunkSet:
+              dtype: torch.dtype = torch.float32, part: int | None = None,
+              sources: tuple[np.ndarray, np.ndarray] | None = None) -> ChunkSet:
         """Cut the chunks' blocks out of ``graph`` (already renumbered).
 
         With ``part`` only that part's chunks are built, and ranges are local
-        to the part's rows (a rank of a multi-process run).
+        to the part's rows (a rank of a multi-process run). ``sources``: the
+        chunks' neighbour sets as CSR ``(ptr, ids)``
+        (:func:`hongtu.dedup.neighbour_sets`), when the plan has them already;
+        otherwise each block finds its own.
         """
         in_deg = graph.in_degree()
         n = num_chunks
         mine = list(range(num_parts * n) if part is None else range(part * n, (part + 1) * n))
         blocks: list[Block | None] = [None] * (num_parts * n)
+
+        def src_ids(c: int) -> np.ndarray | None:
+            return None if sources is None else sources[1][sources[0][c]:sources[0][c + 1]]
         # Blocks are cut by a numba kernel that releases the GIL: a few threads,
         # each with its own |V| scratch, build them side by side. Fewer big
         # blocks than half the threads are each cut on all threads, in turn.
@@ -64,8 +71,8 @@ class ChunkSet:
             scratch = block_scratch(graph.num_nodes)
             for c in mine:
                 blocks[c] = build_block(graph.indptr, graph.indices, in_deg, int(chunk_ptr[c]),
-                                        int(chunk_ptr[c + 1]), dtype, scratch=scratch,
-                                        parallel=True)
+                                        int(chunk_ptr[c + 1]), dtype, src_ids=src_ids(c),
+                                        scratch=scratch, parallel=True)
         else:
             workers = max(1, min(len(mine), os.cpu_count() or 1, _MAX_WORKERS))
 
@@ -74,7 +81,7 @@ class ChunkSet:
                 for c in group:
                     blocks[c] = build_block(graph.indptr, graph.indices, in_deg,
                                             int(chunk_ptr[c]), int(chunk_ptr[c + 1]), dtype,
-                                            scratch=scratch)
+                                            src_ids=src_ids(c), scratch=scratch)
 
             with ThreadPoolExecutor(workers) as pool:
                 list(pool.map(build, [mine[w::workers] for w in range(workers)]))

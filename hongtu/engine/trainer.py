@@ -204,7 +204,6 @@ class Trainer:
             row_bytes=itemsize * max(self.model.widths()), t_hd=tp["host_to_device"],
             t_dd=tp["device_to_device"], t_ru=tp["reuse"], cache_rows=cache_rows,
             neighbours=neighbours)
-        del neighbours
         self.plan_s = time.perf_counter() - t_plan
         self.estimate = estimate(self.transfer_plan.plans[rank])
         # (Kept rows only take what the blocks leave, when the blocks fit.)
@@ -215,7 +214,8 @@ class Trainer:
                             f"engine.device_memory is {format_size(self.budget)}; use more "
                             "engine.chunks or raise engine.device_memory")
         self.chunks = ChunkSet.build(g, self.partition.chunk_ptr, parts, chunks, dtype,
-                                     part=rank if world > 1 else None)
+                                     part=rank if world > 1 else None, sources=neighbours)
+        del neighbours  # each block holds its own sources now
         plan = BufferPlan(b - a, self.model.widths(), cached, itemsize)
         self.out(self._plan_text(plan, parts, chunks))
         buffers = HostBuffers(plan, x, pin=self.device.type == "cuda", dtype=dtype,

@@ -138,16 +138,13 @@ class Block:
 
 
 @numba.njit(nogil=True, cache=True)
-def _block_arrays(indptr, indices, dst_start, dst_stop, pos):
-    """Local CSR and transpose of destinations ``[dst_start, dst_stop)``.
+def _block_sources(indptr, indices, dst_start, dst_stop, pos):
+    """The distinct sources of destinations ``[dst_start, dst_stop)``, sorted.
 
-    ``pos`` (``|V|``, all ``-1``) is scratch, left as found. Sources are the
-    distinct ``indices`` of the range, sorted; the transpose is a stable
-    counting sort of the edges by source (edges of a source in CSR order).
+    ``pos`` (``|V|``, all ``-1``) is scratch, left as found.
     """
     e0, e1 = indptr[dst_start], indptr[dst_stop]
-    num_e = e1 - e0
-    uniq = np.empty(num_e, dtype=np.int64)
+    uniq = np.empty(e1 - e0, dtype=np.int64)
     k = 0
     for e in range(e0, e1):
         u = indices[e]
@@ -157,12 +154,33 @@ def _block_arrays(indptr, indices, dst_start, dst_stop, pos):
             k += 1
     src_ids = np.sort(uniq[:k])
     for i in range(k):
+        pos[src_ids[i]] = -1
+    return src_ids
+
+
+@numba.njit(nogil=True, cache=True)
+def _block_arrays(indptr, indices, dst_start, dst_stop, src_ids, pos):
+    """Local CSR and transpose of destinations ``[dst_start, dst_stop)`` over ``src_ids``.
+
+    ``src_ids`` (sorted, unique) must hold every source of the range; ``pos``
+    (``|V|``, all ``-1``) is scratch, left as found. The transpose is a stable
+    counting sort of the edges by source (edges of a source in CSR order).
+    """
+    e0, e1 = indptr[dst_start], indptr[dst_stop]
+    num_e = e1 - e0
+    k = src_ids.shape[0]
+    for i in range(k):
         pos[src_ids[i]] = i
     local = np.empty(num_e, dtype=np.int64)
+    missing = False
     for e in range(num_e):
-        local[e] = pos[indices[e0 + e]]
+        q = pos[indices[e0 + e]]
+        missing |= q < 0
+        local[e] = q
     for i in range(k):
         pos[src_ids[i]] = -1
+    if missing:
+        raise ValueError("src_ids lacks a source of the block's edges")
     num_dst = dst_stop - dst_start
     row_ptr = np.empty(num_dst + 1, dtype=np.int64)
     for d in range(num_dst + 1):
@@ -181,12 +199,12 @@ def _block_arrays(indptr, indices, dst_start, dst_stop, pos):
             fill[local[e]] += 1
             t_perm[q] = e
             t_indices[q] = d
-    return src_ids, local, row_ptr, t_indptr, t_perm, t_indices
+    return local, row_ptr, t_indptr, t_perm, t_indices
 
 
 @numba.njit(parallel=True, cache=True)
 def _block_arrays_parallel(indptr, indices, dst_start, dst_stop, src_ids, pos, workers):
-    """:func:`_block_arrays` for one big block, on all threads, given its sorted sources.
+    """:func:`_block_arrays` for one big block, on all threads.
 
     The transpose is split by source: worker ``t`` owns the sources
     ``[t*k/workers, (t+1)*k/workers)`` and scans every edge in CSR order twice
@@ -198,10 +216,15 @@ def _block_arrays_parallel(indptr, indices, dst_start, dst_stop, src_ids, pos, w
     for i in numba.prange(k):
         pos[src_ids[i]] = i
     local = np.empty(num_e, dtype=np.int64)
+    missing = 0
     for e in numba.prange(num_e):
-        local[e] = pos[indices[e0 + e]]
+        q = pos[indices[e0 + e]]
+        missing += q < 0
+        local[e] = q
     for i in numba.prange(k):
         pos[src_ids[i]] = -1
+    if missing:
+        raise ValueError("src_ids lacks a source of the block's edges")
     num_dst = dst_stop - dst_start
     row_ptr = np.empty(num_dst + 1, dtype=np.int64)
     for d in numba.prange(num_dst + 1):
@@ -248,39 +271,33 @@ def build_block(indptr: np.ndarray, indices: np.ndarray, in_deg: np.ndarray,
         in_deg: global in-degree of every vertex.
         dst_start, dst_stop: the chunk's destination range.
         dtype: floating type of the degree tensors.
-        src_ids: the source rows, sorted; default: exactly the chunk's
-            neighbours. Pass ``np.arange(N)`` for a full-graph block whose
-            source buffer is the whole ``h``.
+        src_ids: the source rows, sorted and unique, holding every source of
+            the range (``ValueError`` if one is missing); default: exactly the
+            chunk's neighbours, found here. Pass them when already known (the
+            plan's neighbour sets), or ``np.arange(N)`` for a full-graph block
+            whose source buffer is the whole ``h``.
         scratch: :func:`block_scratch` of the graph, reused across calls
             (default: a new one).
         parallel: cut it on all threads (for a block too big to build
             alone while others are built beside it); the same arrays.
     """
     indptr = np.asarray(indptr, dtype=np.int64)
-    num_dst = dst_stop - dst_start
-    if src_ids is None and parallel:
-        pos = block_scratch(indptr.shape[0] - 1) if scratch is None else scratch
-        indices = np.asarray(indices)
+    indices = np.asarray(indices)
+    pos = block_scratch(indptr.shape[0] - 1) if scratch is None else scratch
+    if src_ids is None and parallel:  # distinct sources from a bitmap on all threads
         e0, e1 = indptr[dst_start], indptr[dst_stop]
         _, src_ids = unique_union(indices, np.array([0, 1]), np.array([e0]), np.array([e1]),
                                   indptr.shape[0] - 1, sets=True)
-        src_ids = src_ids.astype(np.int64, copy=False)
+    elif src_ids is None:
+        src_ids = _block_sources(indptr, indices, int(dst_start), int(dst_stop), pos)
+    src_ids = np.ascontiguousarray(src_ids, dtype=np.int64)
+    if parallel:
         local, row_ptr, t_indptr, t_perm, t_indices = _block_arrays_parallel(
             indptr, indices, int(dst_start), int(dst_stop), src_ids, pos,
             numba.get_num_threads())
-    elif src_ids is None:
-        pos = block_scratch(indptr.shape[0] - 1) if scratch is None else scratch
-        src_ids, local, row_ptr, t_indptr, t_perm, t_indices = _block_arrays(
-            indptr, np.asarray(indices), int(dst_start), int(dst_stop), pos)
     else:
-        e0, e1 = int(indptr[dst_start]), int(indptr[dst_stop])
-        src_ids = np.asarray(src_ids, dtype=np.int64)
-        local = np.searchsorted(src_ids, np.asarray(indices[e0:e1], dtype=np.int64))
-        row_ptr = indptr[dst_start:dst_stop + 1] - e0
-        t_perm = np.argsort(local, kind="stable").astype(np.int64)
-        t_indptr = np.zeros(src_ids.shape[0] + 1, dtype=np.int64)
-        np.cumsum(np.bincount(local, minlength=src_ids.shape[0]), out=t_indptr[1:])
-        t_indices = np.repeat(np.arange(num_dst, dtype=np.int64), np.diff(row_ptr))[t_perm]
+        local, row_ptr, t_indptr, t_perm, t_indices = _block_arrays(
+            indptr, indices, int(dst_start), int(dst_stop), src_ids, pos)
     deg = np.asarray(in_deg)
     return Block(
         indptr=torch.from_numpy(row_ptr),

@@ -286,12 +286,26 @@ def test_dropout_multidim_rows():
     torch.testing.assert_close(out, mask.float() / 0.7)
 
 
+def numpy_cut(indptr, indices, a, b, src_ids):
+    """The block arrays of destinations ``[a, b)`` over ``src_ids``, by sorting."""
+    e0, e1 = indptr[a], indptr[b]
+    local = np.searchsorted(src_ids, indices[e0:e1].astype(np.int64))
+    row_ptr = indptr[a:b + 1] - e0
+    t_perm = np.argsort(local, kind="stable")
+    t_indptr = np.zeros(src_ids.shape[0] + 1, dtype=np.int64)
+    np.cumsum(np.bincount(local, minlength=src_ids.shape[0]), out=t_indptr[1:])
+    t_indices = np.repeat(np.arange(b - a), np.diff(row_ptr))[t_perm]
+    return {"indptr": row_ptr, "indices": local, "t_indptr": t_indptr, "t_indices": t_indices,
+            "t_perm": t_perm, "src_ids": src_ids}
+
+
 @pytest.mark.parametrize("parallel", [False, True])
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
 def test_block_kernel_equals_the_numpy_cut(parallel, dtype):
-    """The numba cuts (distinct sources by stamping or from a bitmap, transpose by a
-    counting sort, serial or split by source over the threads) give the same block as
-    sorting: sources from np.unique, the transpose by a stable argsort."""
+    """The numba cuts (distinct sources by stamping or from a bitmap, or given; the
+    transpose by a counting sort, serial or split by source over the threads) give
+    the block that sorting gives: sources from np.unique, the transpose by a stable
+    argsort."""
     rng = np.random.default_rng(0)
     n, e = 300, 4000
     indices = rng.integers(0, n, e).astype(dtype)
@@ -302,13 +316,21 @@ def test_block_kernel_equals_the_numpy_cut(parallel, dtype):
     deg = np.diff(indptr).astype(np.float64)
     scratch = block_scratch(n)
     for a, b in [(0, n), (10, 11), (37, 200), (5, 5)]:
-        fast = build_block(indptr, indices, deg, a, b, scratch=scratch, parallel=parallel)
-        want = build_block(indptr, indices, deg, a, b,
-                           src_ids=np.unique(indices[indptr[a]:indptr[b]]))
-        for f in ("indptr", "indices", "t_indptr", "t_indices", "t_perm", "src_ids",
-                  "src_in_deg", "dst_in_deg"):
-            assert torch.equal(getattr(fast, f), getattr(want, f)), (a, b, f)
-        assert np.all(scratch == -1)  # scratch left clean for the next block
+        exact = np.unique(indices[indptr[a]:indptr[b]]).astype(np.int64)
+        for given in (None, exact.astype(dtype), np.arange(n)):  # found, the plan's, a superset
+            fast = build_block(indptr, indices, deg, a, b, src_ids=given, scratch=scratch,
+                               parallel=parallel)
+            want = numpy_cut(indptr, indices, a, b, exact if given is None else given)
+            for f, v in want.items():
+                assert np.array_equal(getattr(fast, f).numpy(), v), (a, b, f, given is None)
+            assert np.array_equal(fast.src_in_deg.numpy(), deg[want["src_ids"]])
+            assert np.array_equal(fast.dst_in_deg.numpy(), deg[a:b])
+            assert np.all(scratch == -1)  # scratch left clean for the next block
+    lacking = np.unique(indices[indptr[37]:indptr[200]])[1:]
+    with pytest.raises(ValueError, match="lacks a source"):
+        build_block(indptr, indices, deg, 37, 200, src_ids=lacking, scratch=scratch,
+                    parallel=parallel)
+    assert np.all(scratch == -1)
 
 
 def test_spmm_with_more_repeated_edges_than_cells():
