@@ -94,8 +94,9 @@ def pyg_run(graph, layer: str, layers: int, hidden: int, epochs: int, device: to
             deg = torch.from_numpy(deg_np).double().clamp(min=1)
             w = (deg[col].rsqrt() * deg[row].rsqrt()).float()
             # adj_t[dst, src] = w: rows are destinations, the CSR we already have.
+            # (checks off, as hongtu's own blocks: the CSR is built right here)
             adj = torch.sparse_csr_tensor(torch.from_numpy(graph.indptr), col, w,
-                                          size=(n, n)).to(device)
+                                          size=(n, n), check_invariants=False).to(device)
             del w
         else:
             adj = torch.stack([col, row]).to(device)  # edge_index: source -> destination
