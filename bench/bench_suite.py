@@ -136,6 +136,8 @@ def hongtu_run(key: str, mcfg: dict, system: str, budget: int | None, args, peak
         tr = Trainer(cfg, overwrite=True, out=lambda s: print(s, flush=True))
     except Exception as exc:  # a system that cannot run is a result, not a crash
         return {"status": f"{type(exc).__name__}: {exc}"}
+    print("setup: " + ", ".join(f"{k[:-2]} {v:.2f} s" for k, v in
+                                {**tr.setup_times, **tr.other_split}.items()), flush=True)
     passes = _time_passes(tr.executor)
     recs = []
     try:
@@ -152,7 +154,7 @@ def hongtu_run(key: str, mcfg: dict, system: str, budget: int | None, args, peak
     last = steady[-1]
     out = {"status": "ok", "chunks": tr.partition.num_chunks, "resident": tr.resident,
            "budget_bytes": cfg.engine.device_memory, "estimate_bytes": tr.estimate,
-           "preprocess_s": tr.preprocess_s, **tr.setup_times,
+           "preprocess_s": tr.preprocess_s, **tr.setup_times, "other_split_s": tr.other_split,
            "pass_s": {k: steady_median(v, args.warmup) for k, v in passes.items()
                       if not k.endswith("_bytes")},
            "pass_bytes": {k: v[-1] for k, v in passes.items() if k.endswith("_bytes") and v},

@@ -174,11 +174,13 @@ class Trainer:
         # features (a memory-mapped file is read for those rows alone).
         a, b = (int(self.partition.part_ptr[rank]), int(self.partition.part_ptr[rank + 1])) \
             if world > 1 else (0, graph.num_nodes)
+        t_renumber = time.perf_counter()
         g = self.partition.apply(dataclasses.replace(graph, x=None))
         x, rows = graph.x, self.partition.perm[a:b]  # gathered into h^0 by HostBuffers
         del graph
         self.graph = g
         t_plan = time.perf_counter()
+        split = {"renumber_s": t_plan - t_renumber}
         tp = resolve_throughput(e)  # the same cost model hongtu report shows
 
         def estimate(dplan) -> int:  # a DevicePlan, or its DeviceNeeds before slots
@@ -213,26 +215,32 @@ class Trainer:
                             f"{format_size(self.estimate)} on the device but "
                             f"engine.device_memory is {format_size(self.budget)}; use more "
                             "engine.chunks or raise engine.device_memory")
+        t = time.perf_counter()
         self.chunks = ChunkSet.build(g, self.partition.chunk_ptr, parts, chunks, dtype,
                                      part=rank if world > 1 else None, sources=neighbours)
         del neighbours  # each block holds its own sources now
+        split["blocks_s"] = time.perf_counter() - t
         plan = BufferPlan(b - a, self.model.widths(), cached, itemsize)
         self.out(self._plan_text(plan, parts, chunks))
+        t = time.perf_counter()
         buffers = HostBuffers(plan, x, pin=self.device.type == "cuda", dtype=dtype,
                               device=self.device if self.resident else None, rows=rows)
         del x, rows  # h^0 holds the features now (a pinned copy on GPUs)
+        split["buffers_s"] = time.perf_counter() - t
 
         def own(mask):
             mask = np.zeros(g.num_nodes, bool) if mask is None else np.asarray(mask)
             return torch.from_numpy(mask[a:b].copy())
 
         masks = {k: own(getattr(g, f"{k}_mask")) for k in ("train", "val", "test")}
+        t = time.perf_counter()
         self.executor = Executor(
             self.model, self.chunks, buffers,
             torch.from_numpy(np.asarray(g.y[a:b], dtype=np.int64)), masks, self.device,
             self.transfer_plan.plans[rank], e.checkpoint, cfg.train.seed,
             resident_blocks=self.blocks_fit, comm=self.comm, num_train=int(np.sum(g.train_mask)),
             overlap=e.overlap)
+        split["executor_s"] = time.perf_counter() - t
         self.optimizer = self._optimizer()
         self.preprocess_s = time.perf_counter() - t0
         #: where setup went: loading, partitioning (parts, chunk count, chunks),
@@ -241,6 +249,9 @@ class Trainer:
         self.setup_times = {"load_s": t_part - t0, "partition_s": partition_s,
                             "plan_s": self.plan_s}
         self.setup_times["other_s"] = self.preprocess_s - sum(self.setup_times.values())
+        #: the parts of other_s: renumbering, chunk blocks, host buffers (allocation,
+        #: pinning, features into h^0), executor (blocks and plan onto the device)
+        self.other_split = split
 
     # ------------------------------------------------------------------ setup
     def _budget(self) -> int | None:

@@ -1,0 +1,22 @@
+"""The trainer's setup accounting: where the time before the first epoch went."""
+
+from __future__ import annotations
+
+import math
+
+from hongtu.config import load_config
+from hongtu.engine.trainer import Trainer
+from tests.conftest import REPO
+
+
+def test_setup_times_add_up(tmp_path):
+    cfg = load_config(REPO / "configs" / "gcn_example.yaml",
+                      [f"output.dir={tmp_path}", f"engine.cache_dir={tmp_path}/cache",
+                       "engine.accelerator=cpu", "model.hidden=16", "engine.chunks=3"])
+    tr = Trainer(cfg, overwrite=True, out=lambda s: None)
+    times, split = tr.setup_times, tr.other_split
+    assert set(times) == {"load_s", "partition_s", "plan_s", "other_s"}
+    assert set(split) == {"renumber_s", "blocks_s", "buffers_s", "executor_s"}
+    assert all(v >= 0 for v in [*times.values(), *split.values()])
+    assert math.isclose(sum(times.values()), tr.preprocess_s, rel_tol=1e-9)
+    assert sum(split.values()) <= times["other_s"] + 1e-9  # parts of the rest, timed inside it
