@@ -106,17 +106,18 @@ def test_comm_leaves_only_the_group_it_joined(monkeypatch):
     for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                      WORLD_SIZE="1", LOCAL_RANK="0").items():
         monkeypatch.setenv(k, v)
-    comm = init_from_env(cuda=False, timeout_s=30)
-    assert comm.owned and dist.is_initialized()
-    comm.close()
-    assert not dist.is_initialized()
-    comm.close()  # a second close is a no-op
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo")
     try:
+        comm = init_from_env(cuda=False, timeout_s=30)
+        assert comm.owned and dist.is_initialized()
+        comm.close()
+        assert not dist.is_initialized()
+        comm.close()  # a second close is a no-op
+        monkeypatch.setenv("MASTER_PORT", str(free_port()))
+        dist.init_process_group("gloo")
         theirs = init_from_env(cuda=False, timeout_s=30)
         assert not theirs.owned
         theirs.close()
         assert dist.is_initialized()
-    finally:
-        dist.destroy_process_group()
+    finally:  # no group outlives the test, whatever failed
+        if dist.is_initialized():
+            dist.destroy_process_group()
