@@ -62,26 +62,25 @@ class ChunkSet:
         mine = list(range(num_parts * n) if part is None else range(part * n, (part + 1) * n))
         blocks: list[Block | None] = [None] * (num_parts * n)
 
-        def src_ids(c: int) -> np.ndarray | None:
-            return None if sources is None else sources[1][sources[0][c]:sources[0][c + 1]]
+        def cut(c: int, scratch: np.ndarray, parallel: bool) -> None:
+            ids = None if sources is None else sources[1][sources[0][c]:sources[0][c + 1]]
+            blocks[c] = build_block(graph.indptr, graph.indices, in_deg, int(chunk_ptr[c]),
+                                    int(chunk_ptr[c + 1]), dtype, src_ids=ids, scratch=scratch,
+                                    parallel=parallel)
         # Blocks are cut by a numba kernel that releases the GIL: a few threads,
         # each with its own |V| scratch, build them side by side. Fewer big
         # blocks than half the threads are each cut on all threads, in turn.
         if 2 * len(mine) <= numba.get_num_threads() and graph.num_edges >= _PARALLEL_EDGES:
             scratch = block_scratch(graph.num_nodes)
             for c in mine:
-                blocks[c] = build_block(graph.indptr, graph.indices, in_deg, int(chunk_ptr[c]),
-                                        int(chunk_ptr[c + 1]), dtype, src_ids=src_ids(c),
-                                        scratch=scratch, parallel=True)
+                cut(c, scratch, parallel=True)
         else:
             workers = max(1, min(len(mine), os.cpu_count() or 1, _MAX_WORKERS))
 
             def build(group: list[int]) -> None:
                 scratch = block_scratch(graph.num_nodes)
                 for c in group:
-                    blocks[c] = build_block(graph.indptr, graph.indices, in_deg,
-                                            int(chunk_ptr[c]), int(chunk_ptr[c + 1]), dtype,
-                                            src_ids=src_ids(c), scratch=scratch)
+                    cut(c, scratch, parallel=False)
 
             with ThreadPoolExecutor(workers) as pool:
                 list(pool.map(build, [mine[w::workers] for w in range(workers)]))
