@@ -26,7 +26,7 @@ _ROWS = 4  # rows per loop iteration of a program
 @triton.jit(do_not_specialize=["n"])
 def _copy_rows(src, src_stride, src_ids, dst, dst_stride, dst_ids, n, width,
                HAS_SRC_IDS: tl.constexpr, HAS_DST_IDS: tl.constexpr,
-               ROWS: tl.constexpr, COLS: tl.constexpr):
+               ROWS: tl.constexpr, COLS: tl.constexpr, ADD: tl.constexpr = False):
     step = tl.num_programs(0) * ROWS
     cols = tl.arange(0, COLS)
     for start in range(tl.program_id(0) * ROWS, n, step):
@@ -38,6 +38,8 @@ def _copy_rows(src, src_stride, src_ids, dst, dst_stride, dst_ids, n, width,
             c = c0 + cols
             m = valid[:, None] & (c < width)[None, :]
             v = tl.load(src + r[:, None] * src_stride + c[None, :], mask=m)
+            if ADD:
+                v += tl.load(dst + d[:, None] * dst_stride + c[None, :], mask=m)
             tl.store(dst + d[:, None] * dst_stride + c[None, :], v, mask=m)
 
 
@@ -60,3 +62,21 @@ def copy_rows_triton(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor
                      dst, dst.stride(0), dst_ids if dst_ids is not None else dst, n, width,
                      HAS_SRC_IDS=src_ids is not None, HAS_DST_IDS=dst_ids is not None,
                      ROWS=_ROWS, COLS=cols)
+
+
+#: programs per SM of :func:`add_rows_triton` (device memory only: no link to share)
+ADD_PROGRAMS_PER_SM = 16
+
+
+def add_rows_triton(dst: torch.Tensor, dst_ids: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[dst_ids] += src`` for unique ``dst_ids``, without atomics (device tensors)."""
+    n, width = int(dst_ids.shape[0]), int(src.shape[1])
+    if n == 0 or width == 0:
+        return
+    dev = dst.device.index if dst.device.index is not None else torch.cuda.current_device()
+    if dev not in _SMS:
+        _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    grid = (max(1, min(triton.cdiv(n, _ROWS), _SMS[dev] * ADD_PROGRAMS_PER_SM)),)
+    cols = min(triton.next_power_of_2(width), 512)
+    _copy_rows[grid](src, src.stride(0), src, dst, dst.stride(0), dst_ids, n, width,
+                     HAS_SRC_IDS=False, HAS_DST_IDS=True, ROWS=_ROWS, COLS=cols, ADD=True)

@@ -35,7 +35,7 @@ from hongtu.engine.buffers import HostBuffers
 from hongtu.engine.chunks import ChunkSet
 from hongtu.engine.comm import Comm
 from hongtu.engine.pinned import pinned_copies
-from hongtu.engine.transfer import Mover
+from hongtu.engine.transfer import Mover, add_rows
 from hongtu.nn.block import Block
 from hongtu.nn.model import GNN, layer_seed
 
@@ -243,7 +243,7 @@ class Executor:
     def _add_sources(self, l: int, q: int, block: Block, gbuf: Tensor, g: Tensor) -> None:
         """``∇h^l[N_c] += g``: at the rows' slots, or (resident) into ``∇h^l`` itself."""
         if not self._direct:
-            gbuf.index_add_(0, self.plan.slots(q), g)
+            add_rows(gbuf, self.plan.slots(q), g)
         elif block.num_src == g.shape[0] == self.buf.grad[l].shape[0]:
             self.buf.grad[l].add_(g)
         else:
@@ -415,7 +415,11 @@ class Executor:
             elif need_in:
                 buf.grad[l].zero_()
 
-            def fetch(i, l=l, layer=layer, tbuf=tbuf):
+            # A cached layer whose inputs need no gradient recomputes only its
+            # update, which reads no graph: its blocks stay in host memory.
+            no_graph = self.cached[l] and not need_in and not layer.needs_dst
+
+            def fetch(i, l=l, layer=layer, tbuf=tbuf, no_graph=no_graph):
                 s, _, c, first, _ = plan.items[i]
                 v0, v1 = self.chunks.range(c)
                 rows = None
@@ -424,7 +428,8 @@ class Executor:
                 g_out = mv.fetch_range(buf.grad[l + 1], v0, v1, "grad")
                 dst = mv.fetch_range(buf.h[l], v0, v1, "dst") if layer.needs_dst else None
                 agg = mv.fetch_range(buf.agg[l], v0, v1, "aux") if self.cached[l] else None
-                return rows, g_out, dst, agg, self._fetch_block(c)
+                block = self._blocks[c] if no_graph else self._fetch_block(c)
+                return rows, g_out, dst, agg, block
 
             def run(i, fetched, fetch_next, l=l, layer=layer, seed=seed, tbuf=tbuf,
                     gbuf=gbuf, need_in=need_in, write=write):

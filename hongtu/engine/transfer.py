@@ -51,7 +51,7 @@ from torch import Tensor
 
 from hongtu.engine.pinned import device_view, pinned_empty
 
-__all__ = ["Mover", "Ticket", "Traffic"]
+__all__ = ["Mover", "Ticket", "Traffic", "add_rows", "copy_rows"]
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -141,6 +141,28 @@ def copy_rows(src: Tensor, dst: Tensor, src_ids: Tensor | None = None,
         dst.index_copy_(0, dst_ids, rows)
 
 
+@functools.cache
+def _add_kernel():
+    try:
+        from hongtu.engine._triton_rows import add_rows_triton
+    except ImportError:
+        return None
+    return add_rows_triton
+
+
+def add_rows(dst: Tensor, ids: Tensor, src: Tensor) -> None:
+    """``dst[ids] += src`` for unique ``ids`` (a chunk's source slots).
+
+    On a GPU one kernel that reads, adds and writes each row (no atomics:
+    the ids are unique); elsewhere ``index_add_``.
+    """
+    kernel = _add_kernel() if dst.is_cuda and src.dim() == 2 else None
+    if kernel is not None:
+        kernel(dst, ids, src.contiguous())
+    else:
+        dst.index_add_(0, ids, src)
+
+
 def _pinned(numel: int, dtype: torch.dtype) -> Tensor:
     """A pinned host tensor: registered in place, else from torch's pinned allocator."""
     t, ok = pinned_empty((numel,), dtype)
@@ -175,7 +197,7 @@ class Mover:
         self.timed = timed
         self.overlap = overlap and self.cuda
         w = int(max_width)
-        ring = 2 if self.overlap else 1
+        ring = _RING if self.overlap else 1
         self._dev = {s: [torch.empty(max(int(r) * w, 1), dtype=dtype, device=device)
                          for _ in range(ring)] for s, r in slots.items()}
         self._turn = dict.fromkeys(slots, 0)
@@ -474,6 +496,7 @@ def _add_into(host: Tensor, where, vals: np.ndarray) -> None:
 
 
 _STAGES = 3  # pinned flush staging areas (flushes in flight to the CPU adder)
+_RING = 2  # device slots per destination-row slot name with overlap (double-buffered)
 
 
 class _Adder:

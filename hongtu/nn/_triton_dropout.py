@@ -1,8 +1,10 @@
-"""The counter-based dropout hash as one Triton kernel (GPU).
+"""The counter-based dropout hash as Triton kernels (GPU).
 
 Bit-identical to the tensor-op version in :mod:`hongtu.nn.ops` (a test on a
 GPU checks it): one launch writes the whole keep-mask instead of ~25
-elementwise int64 kernels per block of rows.
+elementwise int64 kernels per block of rows, and :func:`dropout_triton` applies
+it in the same pass (``x * where(keep, scale, 0)``, which equals
+``(x * mask) * scale`` bit for bit) without writing the mask at all.
 """
 
 from __future__ import annotations
@@ -26,17 +28,33 @@ def _fmix32(h):
 
 
 @triton.jit
-def _mask_kernel(ids_ptr, out_ptr, total, width, seed_lo, seed_hi, threshold,
-                 BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    valid = offs < total
+def _keep(ids_ptr, offs, valid, width, seed_lo, seed_hi, threshold):
     row = offs // width
     col = offs - row * width
     vid = tl.load(ids_ptr + row, mask=valid, other=0)
     key = vid * width + col                                  # int64, non-negative
     h = _fmix32((key >> 32) ^ seed_lo)
     h = _fmix32((key & 0xFFFFFFFF) ^ h ^ seed_hi)
-    tl.store(out_ptr + offs, h >= threshold, mask=valid)
+    return h >= threshold
+
+
+@triton.jit
+def _mask_kernel(ids_ptr, out_ptr, total, width, seed_lo, seed_hi, threshold,
+                 BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < total
+    keep = _keep(ids_ptr, offs, valid, width, seed_lo, seed_hi, threshold)
+    tl.store(out_ptr + offs, keep, mask=valid)
+
+
+@triton.jit(do_not_specialize=["total"])
+def _dropout_kernel(x_ptr, ids_ptr, out_ptr, total, width, seed_lo, seed_hi, threshold,
+                    scale, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < total
+    keep = _keep(ids_ptr, offs, valid, width, seed_lo, seed_hi, threshold)
+    x = tl.load(x_ptr + offs, mask=valid)
+    tl.store(out_ptr + offs, x * tl.where(keep, scale, 0.0), mask=valid)
 
 
 def dropout_mask_triton(ids: torch.Tensor, width: int, threshold: int, seed: int) -> torch.Tensor:
@@ -48,4 +66,19 @@ def dropout_mask_triton(ids: torch.Tensor, width: int, threshold: int, seed: int
         grid = (triton.cdiv(total, _BLOCK),)
         _mask_kernel[grid](ids, out, total, width, seed & 0xFFFFFFFF,
                            (seed >> 32) & 0xFFFFFFFF, threshold, BLOCK=_BLOCK)
+    return out
+
+
+def dropout_triton(x: torch.Tensor, ids: torch.Tensor, threshold: int, seed: int,
+                   scale: float) -> torch.Tensor:
+    """``x * keep * scale`` for a float32 ``x`` of ``len(ids)`` rows, in one pass."""
+    ids = ids.to(torch.int64).contiguous()
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    total = x.numel()
+    if total:
+        width = total // ids.shape[0]
+        grid = (triton.cdiv(total, _BLOCK),)
+        _dropout_kernel[grid](x, ids, out, total, width, seed & 0xFFFFFFFF,
+                              (seed >> 32) & 0xFFFFFFFF, threshold, scale, BLOCK=_BLOCK)
     return out

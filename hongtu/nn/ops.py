@@ -224,19 +224,19 @@ def dropout_mask(ids: Tensor, width: int, p: float, seed: int) -> Tensor:
         _mask_kernel(ids.numpy().astype(np.int64, copy=False), width, np.uint64(seed & _M32),
                      np.uint64((seed >> 32) & _M32), np.uint64(threshold), out)
         return torch.from_numpy(out)
-    if ids.device.type == "cuda" and _triton_mask() is not None:
-        return _triton_mask()(ids, width, threshold, seed)
+    if ids.device.type == "cuda" and _triton() is not None:
+        return _triton().dropout_mask_triton(ids, width, threshold, seed)
     return _dropout_mask_torch(ids, width, threshold, seed)
 
 
 @functools.cache
-def _triton_mask():
-    """The Triton kernel when Triton is importable (GPU machines), else ``None``."""
+def _triton():
+    """The Triton dropout kernels when Triton is importable (GPU machines), else ``None``."""
     try:
-        from hongtu.nn._triton_dropout import dropout_mask_triton
+        from hongtu.nn import _triton_dropout
     except ImportError:
         return None
-    return dropout_mask_triton
+    return _triton_dropout
 
 
 #: elements hashed at a time off the CPU: bounds the int64 temporaries (~48 B each)
@@ -265,9 +265,28 @@ def dropout(x: Tensor, ids: Tensor, p: float, seed: int, training: bool = True) 
         p: drop probability.
         seed: the stream; the engine derives one per (epoch, layer).
         training: identity when ``False`` or ``p == 0``.
+
+    On a GPU (float32, Triton present) the mask is hashed and applied in one
+    kernel, and hashed again for the gradient instead of being kept.
     """
     if not training or p <= 0.0 or x.numel() == 0:
         return x
+    if x.is_cuda and x.dtype == torch.float32 and _triton() is not None:
+        return _FusedDropout.apply(x, ids, p, seed)
     width = x[0].numel()
     mask = dropout_mask(ids, width, p, seed).view(x.shape)
     return (x * mask).mul_(1.0 / (1.0 - p))
+
+
+class _FusedDropout(torch.autograd.Function):
+    """:func:`dropout` as one GPU kernel each way; the mask is hashed again in
+    backward instead of being kept."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, ids: Tensor, p: float, seed: int) -> Tensor:
+        ctx.ids, ctx.args = ids, (int(p * 4294967296.0), seed, 1.0 / (1.0 - p))
+        return _triton().dropout_triton(x, ids, *ctx.args)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return _triton().dropout_triton(g, ctx.ids, *ctx.args), None, None, None
