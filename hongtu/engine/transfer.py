@@ -197,7 +197,7 @@ class Mover:
         self.timed = timed
         self.overlap = overlap and self.cuda
         w = int(max_width)
-        ring = _RING if self.overlap else 1
+        ring = 2 if self.overlap else 1
         self._dev = {s: [torch.empty(max(int(r) * w, 1), dtype=dtype, device=device)
                          for _ in range(ring)] for s, r in slots.items()}
         self._turn = dict.fromkeys(slots, 0)
@@ -496,7 +496,6 @@ def _add_into(host: Tensor, where, vals: np.ndarray) -> None:
 
 
 _STAGES = 3  # pinned flush staging areas (flushes in flight to the CPU adder)
-_RING = 2  # device slots per destination-row slot name with overlap (double-buffered)
 
 
 class _Adder:
