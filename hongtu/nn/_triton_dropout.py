@@ -29,6 +29,8 @@ def _fmix32(h):
 
 @triton.jit
 def _keep(ids_ptr, offs, valid, width, seed_lo, seed_hi, threshold):
+    seed_lo, seed_hi = seed_lo & 0xFFFFFFFF, seed_hi & 0xFFFFFFFF  # see _words
+    threshold = threshold & 0xFFFFFFFF
     row = offs // width
     col = offs - row * width
     vid = tl.load(ids_ptr + row, mask=valid, other=0)
@@ -38,7 +40,11 @@ def _keep(ids_ptr, offs, valid, width, seed_lo, seed_hi, threshold):
     return h >= threshold
 
 
-@triton.jit
+# Seeds change every epoch and layer: no compiled variant per value.
+_VARYING = ["total", "seed_lo", "seed_hi", "threshold"]
+
+
+@triton.jit(do_not_specialize=_VARYING)
 def _mask_kernel(ids_ptr, out_ptr, total, width, seed_lo, seed_hi, threshold,
                  BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -47,7 +53,7 @@ def _mask_kernel(ids_ptr, out_ptr, total, width, seed_lo, seed_hi, threshold,
     tl.store(out_ptr + offs, keep, mask=valid)
 
 
-@triton.jit(do_not_specialize=["total"])
+@triton.jit(do_not_specialize=_VARYING)
 def _dropout_kernel(x_ptr, ids_ptr, out_ptr, total, width, seed_lo, seed_hi, threshold,
                     scale, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -57,6 +63,17 @@ def _dropout_kernel(x_ptr, ids_ptr, out_ptr, total, width, seed_lo, seed_hi, thr
     tl.store(out_ptr + offs, x * tl.where(keep, scale, 0.0), mask=valid)
 
 
+def _words(seed: int, threshold: int) -> tuple[int, int, int]:
+    """The seed's two 32-bit words and the threshold, each with bit 40 set.
+
+    Triton types an int argument by its value (int32 below 2^31, else int64)
+    and compiles a kernel per signature; with the bit set every call passes
+    int64, and the kernel masks it off again.
+    """
+    tag = 1 << 40
+    return (seed & 0xFFFFFFFF) | tag, ((seed >> 32) & 0xFFFFFFFF) | tag, threshold | tag
+
+
 def dropout_mask_triton(ids: torch.Tensor, width: int, threshold: int, seed: int) -> torch.Tensor:
     """Keep-mask ``(len(ids), width)`` computed on the GPU in one launch."""
     ids = ids.to(torch.int64).contiguous()
@@ -64,8 +81,7 @@ def dropout_mask_triton(ids: torch.Tensor, width: int, threshold: int, seed: int
     total = ids.shape[0] * width
     if total:
         grid = (triton.cdiv(total, _BLOCK),)
-        _mask_kernel[grid](ids, out, total, width, seed & 0xFFFFFFFF,
-                           (seed >> 32) & 0xFFFFFFFF, threshold, BLOCK=_BLOCK)
+        _mask_kernel[grid](ids, out, total, width, *_words(seed, threshold), BLOCK=_BLOCK)
     return out
 
 
@@ -79,6 +95,6 @@ def dropout_triton(x: torch.Tensor, ids: torch.Tensor, threshold: int, seed: int
     if total:
         width = total // ids.shape[0]
         grid = (triton.cdiv(total, _BLOCK),)
-        _dropout_kernel[grid](x, ids, out, total, width, seed & 0xFFFFFFFF,
-                              (seed >> 32) & 0xFFFFFFFF, threshold, scale, BLOCK=_BLOCK)
+        _dropout_kernel[grid](x, ids, out, total, width, *_words(seed, threshold), scale,
+                              BLOCK=_BLOCK)
     return out

@@ -125,10 +125,13 @@ class GAT(GNNLayer):
         # int64 (~48 bytes per element while the mask is drawn).
         edge = eh * (6 * itemsize + (48 if self.dropout > 0 else 0))
         forward = max(2 * v_src + v_dst, v_src + edge)
-        # Backward of one head's spmm gathers (E, C) gradient and source rows
-        # and multiplies them (heads run one after another); the sources'
-        # gradient (num_src, H, C) is assembled from heads and the logits.
-        messages = v_src + 6 * eh * itemsize + 3 * num_edges * C * itemsize + v_dst
+        # Backward of one head's spmm: the attention weights' gradient is a
+        # dot product per edge, which gathers (E, C) gradient and source rows
+        # and multiplies them unless the fused GPU kernel does it (then one
+        # (E, C)-sized allowance stays as margin); heads run one after another.
+        # The sources' gradient (num_src, H, C) is assembled from heads and logits.
+        gathers = 1 if ops.fused_edge_dots() else 3
+        messages = v_src + 6 * eh * itemsize + gathers * num_edges * C * itemsize + v_dst
         vertex = 4 * v_src + v_dst
         return max(forward, messages, vertex)
 

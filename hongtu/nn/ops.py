@@ -14,6 +14,7 @@ engine recomputes it in backward.
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 import warnings
 
@@ -27,12 +28,16 @@ from hongtu.nn.block import Block
 __all__ = [
     "BUILTIN_AGGREGATIONS", "aggregate", "aggregate_transpose", "edge_weights", "spmm",
     "gather_src", "gather_dst", "scatter_dst", "edge_softmax", "dropout", "dropout_mask",
+    "fused_edge_dots",
 ]
 
 BUILTIN_AGGREGATIONS = ("sum", "mean", "gcn")
 
 # torch flags CSR support as beta on every construction; it is what DESIGN.md asks for.
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+# Blocks are built by hongtu and opt out of the checks per tensor (check_invariants=False);
+# torch >= 2.11 still warns once that the global default was not set.
+warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
 
 
 # ------------------------------------------------------------------ sparse core
@@ -79,9 +84,18 @@ class _SpMM(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             # An explicit width: reshape(0, -1) is ambiguous on empty blocks.
             width = math.prod(x.shape[1:])
-            gv = (g.reshape(g.shape[0], width)[block.edge_dst()]
-                  * x.reshape(x.shape[0], width)[block.indices]).sum(-1)
+            g2, x2 = g.reshape(g.shape[0], width), x.reshape(x.shape[0], width)
+            if x.is_cuda and x.dtype == g.dtype == torch.float32 and fused_edge_dots():
+                gv = _triton("sddmm").sddmm_triton(g2, x2, block.edge_dst(), block.indices)
+            else:
+                gv = (g2[block.edge_dst()] * x2[block.indices]).sum(-1)
         return gx, gv, None
+
+
+def fused_edge_dots() -> bool:
+    """Whether :func:`spmm`'s gradient in its edge weights runs as one GPU kernel
+    (Triton importable) instead of two ``(E, width)`` gathers and a product."""
+    return _triton("sddmm") is not None
 
 
 def spmm(block: Block, x: Tensor, values: Tensor) -> Tensor:
@@ -230,13 +244,13 @@ def dropout_mask(ids: Tensor, width: int, p: float, seed: int) -> Tensor:
 
 
 @functools.cache
-def _triton():
-    """The Triton dropout kernels when Triton is importable (GPU machines), else ``None``."""
+def _triton(kind: str = "dropout"):
+    """The Triton kernels module ``hongtu.nn._triton_<kind>`` when Triton is importable
+    (GPU machines), else ``None``."""
     try:
-        from hongtu.nn import _triton_dropout
+        return importlib.import_module(f"hongtu.nn._triton_{kind}")
     except ImportError:
         return None
-    return _triton_dropout
 
 
 #: elements hashed at a time off the CPU: bounds the int64 temporaries (~48 B each)

@@ -54,3 +54,29 @@ def test_fused_dropout_matches_mask_then_scale(p):
     y.backward(g)
     ref_grad = (g * mask).mul_(1.0 / (1.0 - p))
     assert torch.equal(x.grad.view(torch.int32), ref_grad.view(torch.int32))
+
+
+def _compiled_variants(fn) -> int:
+    caches = getattr(fn, "device_caches", None)
+    if caches is not None:
+        return sum(len(c[0]) for c in caches.values())
+    pytest.skip("this Triton keeps no inspectable kernel cache")
+
+
+@pytest.mark.gpu
+def test_new_seeds_compile_no_new_kernels():
+    """Seeds change every epoch and layer; the kernels must not be compiled again for
+    each (Triton types int arguments by value and specialises on divisibility)."""
+    pytest.importorskip("triton")
+    from hongtu.nn import _triton_dropout as K
+
+    ids = torch.arange(1000, device="cuda")
+    x = torch.randn(1000, 48, device="cuda")
+    K.dropout_triton(x, ids, int(0.5 * 2**32), 1, 2.0)
+    K.dropout_mask_triton(ids, 48, int(0.5 * 2**32), 1)
+    before = _compiled_variants(K._dropout_kernel), _compiled_variants(K._mask_kernel)
+    for seed in (0, 16, 2**31 + 5, 2**32 + 16, 2**63 - 1, 12345678901234):
+        K.dropout_triton(x, ids, int(0.5 * 2**32), seed, 2.0)
+        K.dropout_mask_triton(ids, 48, int(0.5 * 2**32), seed)
+    after = _compiled_variants(K._dropout_kernel), _compiled_variants(K._mask_kernel)
+    assert after == before
