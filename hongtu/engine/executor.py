@@ -63,19 +63,25 @@ def _narrow(t: Tensor) -> Tensor:
 
 
 @numba.njit(cache=True)
-def _first_flushes_first(ids, ptr, seen, order, split):
-    """Per step, the positions of rows flushed for the first time in the pass, then the
-    others (each group in plan order); ``split[s]`` ends step ``s``'s first group.
-    Marks every flushed row in ``seen``."""
+def _first_flushes_first(ids, ptr, seen, own_step, written, order, split):
+    """Per step, the positions of rows whose flush may be written, then the others
+    (each group in plan order); ``split[s]`` ends step ``s``'s first group.
+
+    A flush may be written when nothing reached the row's gradient before: it is
+    the row's first flush in the pass and its own chunk (which adds the row's
+    own-row gradient, ``own_step``) has not run yet. Marks flushed rows in
+    ``seen`` and written ones in ``written``.
+    """
     for s in range(ptr.shape[0] - 1):
         o = ptr[s]
         for t in range(ptr[s], ptr[s + 1]):
-            if not seen[ids[t]]:
+            if not seen[ids[t]] and own_step[ids[t]] > s:
                 order[o] = t
+                written[ids[t]] = True
                 o += 1
         split[s] = o
         for t in range(ptr[s], ptr[s + 1]):
-            if seen[ids[t]]:
+            if seen[ids[t]] or own_step[ids[t]] <= s:
                 order[o] = t
                 o += 1
         for t in range(ptr[s], ptr[s + 1]):
@@ -86,7 +92,7 @@ class _PlanOnDevice:
     """A :class:`DevicePlan`'s index arrays on the compute device, sliced per step."""
 
     def __init__(self, plan: DevicePlan, device: torch.device, row0: int = 0,
-                 num_rows: int = 0) -> None:
+                 num_rows: int = 0, own_steps: np.ndarray | None = None) -> None:
         def dev(a: np.ndarray, shift: int = 0) -> Tensor:
             return torch.from_numpy(np.asarray(a, dtype=np.int64) - shift).to(device)
 
@@ -94,18 +100,24 @@ class _PlanOnDevice:
         # Host ids become rows of this process's own host buffers (which start at row0).
         self.load_ids, self.load_slots = dev(plan.load_ids, row0), dev(plan.load_slots)
         # A row's first flush in a pass can be written instead of added (nothing
-        # was added there yet): order each step's flushes first-ones first.
+        # was added there yet): order each step's flushes written-ones first.
+        # ``own_steps``: the step at which each row's own chunk adds its own-row
+        # gradient (layers that read their destinations' rows); none by default.
         ids = np.asarray(plan.flush_ids, dtype=np.int64) - row0
         ptr = np.asarray(plan.flush_ptr, dtype=np.int64)
         seen = np.zeros(max(num_rows, int(ids.max()) + 1 if ids.size else 0), dtype=np.bool_)
+        own = np.full(seen.shape[0], np.iinfo(np.int64).max, dtype=np.int64)
+        if own_steps is not None:
+            own[:own_steps.shape[0]] = own_steps
+        written = np.zeros_like(seen)
         order = np.empty(ids.shape[0], dtype=np.int64)
         self.flush_split = np.empty(ptr.shape[0] - 1, dtype=np.int64)
-        _first_flushes_first(ids, ptr, seen, order, self.flush_split)
+        _first_flushes_first(ids, ptr, seen, own, written, order, self.flush_split)
         self.flush_ids = ids[order]  # for host adds
         self.flush_slots = dev(np.asarray(plan.flush_slots)[order])
         self.flush_ids_dev = dev(self.flush_ids)
-        #: rows no flush writes (they must be zeroed when first flushes are written)
-        self.unflushed = np.flatnonzero(~seen[:num_rows])
+        #: rows no flush writes (zeroed at the start of a pass whose flushes are written)
+        self.unwritten = np.flatnonzero(~written[:num_rows])
         self.chunk_slots = dev(plan.chunk_slots)
         self.send_slots = dev(plan.send_slots)
         self.send_counts = plan.send_counts.tolist()
@@ -122,14 +134,14 @@ class _PlanOnDevice:
 
     def flush(self, s: int, first: bool = False) -> tuple[np.ndarray, Tensor, Tensor]:
         """Step ``s``'s flushes ``(host ids, slots, ids on the device)``: all of them,
-        or with ``first`` the rows flushed for the first time in the pass."""
+        or with ``first`` those whose flush is written (see _first_flushes_first)."""
         a, b = int(self.plan.flush_ptr[s]), int(self.plan.flush_ptr[s + 1])
         if first:
             b = int(self.flush_split[s])
         return self.flush_ids[a:b], self.flush_slots[a:b], self.flush_ids_dev[a:b]
 
     def reflush(self, s: int) -> tuple[np.ndarray, Tensor, Tensor]:
-        """Step ``s``'s flushes of rows flushed before in the pass (they are added)."""
+        """Step ``s``'s flushes that are added (the row's gradient already holds something)."""
         a, b = int(self.flush_split[s]), int(self.plan.flush_ptr[s + 1])
         return self.flush_ids[a:b], self.flush_slots[a:b], self.flush_ids_dev[a:b]
 
@@ -141,6 +153,16 @@ class _PlanOnDevice:
     def slots(self, q: int) -> Tensor:
         p = self.plan.chunk_slot_ptr
         return self.chunk_slots[int(p[q]):int(p[q + 1])]
+
+
+def _own_steps(plan: DevicePlan, chunks: ChunkSet, num_rows: int) -> np.ndarray:
+    """The step at which each host row's own chunk runs (rows of no chunk here: never)."""
+    out = np.full(num_rows, np.iinfo(np.int64).max, dtype=np.int64)
+    for s in range(plan.num_steps):
+        for q in range(plan.step_ptr[s], plan.step_ptr[s + 1]):
+            v0, v1 = chunks.range(int(plan.chunk_ids[q]))
+            out[v0:v1] = s
+    return out
 
 
 class Executor:
@@ -185,7 +207,12 @@ class Executor:
         widths = model.widths()
         self.comm = comm
         self.resident = buffers.h[1].device.type == "cuda"
-        self.plan = _PlanOnDevice(plan, device, chunks.row0, buffers.h[0].shape[0])
+        # Layers that read their destinations' own rows add those rows' gradient
+        # chunk by chunk; then a flush is written only before the row's chunk ran.
+        self._own_rows = any(layer.needs_dst for layer in model.layers[1:])
+        self.plan = _PlanOnDevice(plan, device, chunks.row0, buffers.h[0].shape[0],
+                                  own_steps=_own_steps(plan, chunks, buffers.h[0].shape[0])
+                                  if self._own_rows else None)
         # Staging for destination rows (none when the buffers are on the device:
         # a range is then a view of them).
         max_dst = 0 if self.resident else chunks.max_rows()[1]
@@ -405,13 +432,15 @@ class Executor:
             width = buf.h[l].shape[1]
             tbuf = self._buffer(self._tbuf, width)
             gbuf = self._buffer(self._gbuf, width)
-            # A layer without own-row gradients gets ∇h^l only through flushes:
-            # a row's first flush is written, later ones added; rows no flush
-            # reaches are zeroed. Otherwise ∇h^l starts at zero and all is added.
-            write = (need_in and not self._direct and not layer.needs_dst
-                     and mv.can_write(buf.grad[l]))
+            # Where nothing reached a row's gradient yet in this pass, its flush
+            # is written (by the GPU), later ones added; rows no flush writes are
+            # zeroed. Own-row gradients (layers that read their destinations'
+            # rows) count when the plan was ordered for them; otherwise ∇h^l
+            # starts at zero and everything is added.
+            write = (need_in and not self._direct and mv.can_write(buf.grad[l])
+                     and (self._own_rows or not layer.needs_dst))
             if write:
-                buf.grad[l][torch.from_numpy(plan.unflushed)] = 0
+                buf.grad[l][torch.from_numpy(plan.unwritten)] = 0
             elif need_in:
                 buf.grad[l].zero_()
 

@@ -9,7 +9,7 @@ On a GPU, host buffers are pinned in place; neighbour rows are gathered by the
 GPU straight from them through a device view (zero-copy, sorted ids),
 contiguous ranges move by DMA, and gradients leaving the device are compacted
 on the GPU, then either written by the GPU straight into pinned host memory (a
-row's first flush in a pass, :meth:`Mover.write_rows`) or copied to pinned
+flush that reaches a row first in a pass, :meth:`Mover.write_rows`) or copied to pinned
 staging and added into the host buffer by a parallel numba kernel on a worker
 thread (ids of one flush are unique, so rows never collide).
 
