@@ -39,6 +39,7 @@ def sddmm_triton(g: torch.Tensor, x: torch.Tensor, dst: torch.Tensor,
         g = g.contiguous()
     if x.stride(-1) != 1:
         x = x.contiguous()
+    dst, src = dst.long(), src.long()  # row offsets in int64 (no-ops for int64 ids)
     n, width = int(dst.shape[0]), int(x.shape[1])
     out = torch.empty(n, dtype=x.dtype, device=x.device)
     if n:

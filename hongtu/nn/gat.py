@@ -130,7 +130,7 @@ class GAT(GNNLayer):
         # and multiplies them unless the fused GPU kernel does it (then one
         # (E, C)-sized allowance stays as margin); heads run one after another.
         # The sources' gradient (num_src, H, C) is assembled from heads and logits.
-        gathers = 1 if ops.fused_edge_dots() else 3
+        gathers = 1 if itemsize == 4 and ops.fused_edge_dots() else 3  # the kernel: float32
         messages = v_src + 6 * eh * itemsize + gathers * num_edges * C * itemsize + v_dst
         vertex = 4 * v_src + v_dst
         return max(forward, messages, vertex)

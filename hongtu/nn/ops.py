@@ -226,13 +226,18 @@ def _mask_kernel(ids, width, seed_lo, seed_hi, threshold, out):
             out[i, k] = h >= threshold
 
 
+def _threshold(p: float) -> int:
+    """Hashes (uniform 32-bit) below this are dropped."""
+    return int(p * 4294967296.0)
+
+
 def dropout_mask(ids: Tensor, width: int, p: float, seed: int) -> Tensor:
     """Keep-mask ``(len(ids), width)``: a function of (seed, id, column) only.
 
     On CPU a parallel numba kernel computes it; elsewhere the same hash runs
     as tensor ops (the two agree bit for bit).
     """
-    threshold = int(p * 4294967296.0)
+    threshold = _threshold(p)
     if ids.device.type == "cpu":
         out = np.empty((ids.shape[0], width), dtype=np.bool_)
         _mask_kernel(ids.numpy().astype(np.int64, copy=False), width, np.uint64(seed & _M32),
@@ -298,7 +303,7 @@ class _FusedDropout(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, ids: Tensor, p: float, seed: int) -> Tensor:
-        ctx.ids, ctx.args = ids, (int(p * 4294967296.0), seed, 1.0 / (1.0 - p))
+        ctx.ids, ctx.args = ids, (_threshold(p), seed, 1.0 / (1.0 - p))
         return _triton().dropout_triton(x, ids, *ctx.args)
 
     @staticmethod
