@@ -213,6 +213,13 @@ class Mover:
             weakref.finalize(self, self._adder.stop)
         self._views: dict[int, Tensor] = {}
         self._events: list = []
+        #: set to ``[]`` to record, at the next :meth:`settle`, every timed piece of
+        #: work as ``(field, start ms, end ms)`` from the first (GPU only); layer
+        #: passes start at ``("pass", t, t)`` entries (:meth:`barrier`)
+        self.timeline: list | None = None
+        #: with :attr:`timeline`, the traffic counters ``(h2d bytes, d2h bytes)`` at
+        #: each pass start
+        self.pass_bytes: list = []
         self.compute = self.s_in = self.s_out = None
         if self.cuda:
             self.compute = torch.cuda.current_stream(device)
@@ -282,6 +289,11 @@ class Mover:
         if self.overlap:
             self.s_in.wait_stream(self.compute)
             self.s_in.wait_stream(self.s_out)
+        if self.timeline is not None and self.cuda:
+            mark = torch.cuda.Event(enable_timing=True)
+            mark.record(self.compute)
+            self._events.append(("pass", mark, mark))
+            self.pass_bytes.append((self.traffic.h2d_bytes, self.traffic.d2h_bytes))
 
     def join(self) -> None:
         """Compute waits for every transfer issued so far (the end of a pass)."""
@@ -295,9 +307,14 @@ class Mover:
         if self.cuda:
             self.join()
             self.compute.synchronize()
+        if self.timeline is not None and self._events:
+            base = self._events[0][1]
+            self.timeline = [(f, base.elapsed_time(a), base.elapsed_time(b))
+                             for f, a, b in self._events]
         for field, start, end in self._events:
-            setattr(self.traffic, field,
-                    getattr(self.traffic, field) + start.elapsed_time(end) / 1000.0)
+            if field != "pass":
+                setattr(self.traffic, field,
+                        getattr(self.traffic, field) + start.elapsed_time(end) / 1000.0)
         self._events.clear()
 
     # ----------------------------------------------------------- host -> dev

@@ -24,3 +24,24 @@ def test_add_rows_on_cpu():
     dst = torch.zeros(6, 3)
     add_rows(dst, torch.tensor([4, 1]), torch.ones(2, 3))
     assert dst.sum(1).tolist() == [0, 3, 0, 0, 3, 0]
+
+
+@pytest.mark.gpu
+def test_timeline_marks_every_layer_pass(tmp_path):
+    """The opt-in timeline (bench/bench_passes.py) holds every timed piece of one epoch
+    and a mark and byte counters at each layer pass; it does not change the totals."""
+    from hongtu.config import config_from_dict
+    from hongtu.engine.trainer import Trainer
+
+    cfg = config_from_dict({
+        "data": {"path": "builtin:sbm-small"}, "model": {"hidden": 16, "layers": 2},
+        "engine": {"chunks": 4, "resident": False, "cache_dir": str(tmp_path / "cache")},
+        "output": {"dir": str(tmp_path / "run")}})
+    tr = Trainer(cfg, out=lambda s: None)
+    mv = tr.executor.mover
+    mv.timeline = []
+    rec = tr.run_epoch(0, evaluate=False)
+    assert len([t for t in mv.timeline if t[0] == "pass"]) == 4 == len(mv.pass_bytes)
+    assert mv.pass_bytes[0] == (0, 0) and all(b >= a >= 0 for _, a, b in mv.timeline)
+    h2d = sum(b - a for f, a, b in mv.timeline if f == "time_h2d_s") / 1e3
+    assert h2d == pytest.approx(rec["time_h2d_s"], rel=1e-3)

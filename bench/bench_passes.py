@@ -1,0 +1,159 @@
+"""Where an out-of-core epoch's time goes, layer pass by layer pass (one GPU).
+
+Trains hongtu on a workload of the suite (``bench_suite.py``) and records one
+epoch's per-stream timeline (:attr:`hongtu.engine.transfer.Mover.timeline`):
+for every layer pass (forward L0, L1, ..., then backward from the last layer)
+the time the host→device stream, the device→host stream and compute were
+busy, how long both link directions were busy at once, how long nothing ran,
+the bytes each way, and the pass's transfer bound (its bytes at the pinned
+copy rates measured in the same run: each direction alone, and both at once).
+
+Run (GPU machine)::
+
+    python bench/bench_passes.py rmat22 --model gcn2
+
+The budget is the one ``bench_suite.py`` recorded for this workload and model
+(``--budget`` overrides it). Prints a table and writes
+``bench/results/passes_<workload>_<model>_<device>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from bench_suite import MODELS, SYSTEMS, WORKLOADS, make_graph, model_cfg, warm_up
+from common import RESULTS, device_name, file_tag, pinned_copy_peak
+
+from hongtu.config import config_from_dict, parse_size
+from hongtu.engine.trainer import Trainer
+from hongtu.graph.datasets import BUILTIN_DATASETS, BuiltinDataset
+
+
+def _merged(iv: list) -> list:
+    out: list = []
+    for a, b in sorted(iv):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _busy(iv: list) -> float:
+    return sum(b - a for a, b in _merged(iv))
+
+
+def _both(x: list, y: list) -> float:
+    """Time two interval sets overlap."""
+    x, y, i, j, t = _merged(x), _merged(y), 0, 0, 0.0
+    while i < len(x) and j < len(y):
+        t += max(0.0, min(x[i][1], y[j][1]) - max(x[i][0], y[j][0]))
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return t
+
+
+def passes(timeline: list, pass_bytes: list, end_bytes: tuple, peak: dict) -> list[dict]:
+    """Per layer pass: busy times (ms) per stream, both directions at once, idle,
+    bytes each way and the pass's transfer bound (ms)."""
+    starts = [a for f, a, _ in timeline if f == "pass"]
+    end = max(b for _, _, b in timeline)
+    bounds, marks = starts + [end], list(pass_bytes) + [end_bytes]
+    rows = []
+    for k in range(len(starts)):
+        lo, hi = bounds[k], bounds[k + 1]
+
+        def of(field, lo=lo, hi=hi):
+            return [(max(a, lo), min(b, hi)) for f, a, b in timeline
+                    if f == field and b > lo and a < hi]
+
+        h2d, d2h, gpu = of("time_h2d_s"), of("time_d2h_s"), of("time_compute_s")
+        nh = marks[k + 1][0] - marks[k][0]
+        nd = marks[k + 1][1] - marks[k][1]
+        bound = max(nh / peak["h2d"], nd / peak["d2h"], (nh + nd) / peak["both"]) * 1e3
+        rows.append({"pass_ms": hi - lo, "h2d_busy_ms": _busy(h2d), "d2h_busy_ms": _busy(d2h),
+                     "gpu_busy_ms": _busy(gpu), "both_ways_ms": _both(h2d, d2h),
+                     "idle_ms": (hi - lo) - _busy(h2d + d2h + gpu),
+                     "h2d_bytes": nh, "d2h_bytes": nd, "bound_ms": bound,
+                     "over_bound": (hi - lo) / bound if bound else None,
+                     "link_gbps": (nh + nd) / (hi - lo) / 1e6 if hi > lo else None})
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("workload", choices=sorted(WORKLOADS))
+    ap.add_argument("--model", default="gcn2", choices=sorted(MODELS))
+    ap.add_argument("--scale", type=int, default=None, help="R-MAT scale of rmat22/largest")
+    ap.add_argument("--budget", default=None,
+                    help="device budget (default: the one bench_suite.py recorded)")
+    ap.add_argument("--epochs", type=int, default=4, help="epochs; the last is recorded")
+    ap.add_argument("--workdir", default="/tmp/hongtu_passes")
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_passes.py: needs a GPU (the timeline is made of CUDA events)",
+              file=sys.stderr)
+        return 2
+    tag = file_tag(device_name())
+    budget = args.budget
+    if budget is None:
+        suite = Path(args.out) / f"suite_{args.workload}_{tag}.json"
+        rec = json.loads(suite.read_text())["models"].get(args.model) if suite.exists() else None
+        if rec is None:
+            print(f"bench_passes.py: no budget recorded for {args.workload} {args.model} in "
+                  f"{suite}; run bench_suite.py first or pass --budget", file=sys.stderr)
+            return 2
+        budget = rec["budget_bytes"]
+    warm_up(args)
+    graph = make_graph(args.workload, args.scale)
+    BUILTIN_DATASETS[args.workload] = BuiltinDataset(args.workload, lambda: graph)
+    peak = pinned_copy_peak(torch.device("cuda"))
+    cfg = config_from_dict({
+        "data": {"path": f"builtin:{args.workload}", "undirected": False, "self_loops": False},
+        "model": model_cfg(args.model, WORKLOADS[args.workload]["hidden"]),
+        "train": {"epochs": args.epochs, "seed": 0},
+        "engine": {"chunks": "auto", "partitioner": "range", "device_memory": parse_size(budget),
+                   "cache_dir": str(Path(args.workdir) / "cache"), **SYSTEMS["hongtu"]},
+        "output": {"dir": str(Path(args.workdir) / "run")}})
+    tr = Trainer(cfg, overwrite=True, out=lambda s: None)
+    mv = tr.executor.mover
+    epochs = []
+    for e in range(args.epochs):
+        if e == args.epochs - 1:
+            mv.timeline, mv.pass_bytes = [], []
+        epochs.append(tr.run_epoch(e, evaluate=False))
+    last = epochs[-1]
+    rows = passes(mv.timeline, mv.pass_bytes, (last["h2d_bytes"], last["d2h_bytes"]), peak)
+    names = ([f"forward L{l}" for l in range(tr.model.num_layers)]
+             + [f"backward L{l}" for l in reversed(range(tr.model.num_layers))])
+    result = {"device": device_name(), "workload": args.workload, "model": args.model,
+              "run_at": time.strftime("%Y-%m-%d %H:%M"), "budget_bytes": parse_size(budget),
+              "chunks": tr.partition.num_chunks, "pinned_peak_bytes_per_s": peak,
+              "epoch_s": [r["epoch_s"] for r in epochs],
+              "median_epoch_s": statistics.median(r["epoch_s"] for r in epochs[1:]),
+              "passes": dict(zip(names, rows))}
+    head = ("pass", "ms", "bound", "x", "GB/s", "h2d busy", "d2h busy", "both", "gpu busy",
+            "idle", "h2d GB", "d2h GB")
+    print("".join(f"{h:>10}" if i else f"{h:<14}" for i, h in enumerate(head)))
+    for name, r in result["passes"].items():
+        vals = (r["pass_ms"], r["bound_ms"], r["over_bound"], r["link_gbps"], r["h2d_busy_ms"],
+                r["d2h_busy_ms"], r["both_ways_ms"], r["gpu_busy_ms"], r["idle_ms"],
+                r["h2d_bytes"] / 1e9, r["d2h_bytes"] / 1e9)
+        print(f"{name:<14}" + "".join(f"{v:>10.2f}" for v in vals))
+    out = Path(args.out) / f"passes_{args.workload}_{args.model}_{tag}.json"
+    out.write_text(json.dumps(result, indent=2))
+    print(f"epoch {result['median_epoch_s']:.3f} s ({tr.partition.num_chunks} chunks); wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
