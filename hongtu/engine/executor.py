@@ -250,10 +250,13 @@ class Executor:
         self._copy_blocks = device.type != "cpu" and not resident_blocks
 
     # ------------------------------------------------------------- helpers
-    def _fetch_block(self, c: int):
-        """Chunk ``c``'s block, or (blocks not resident) a ticket for its copy."""
+    def _fetch_block(self, c: int, transpose: bool = True):
+        """Chunk ``c``'s block, or (blocks not resident) a ticket for its copy
+        (without ``transpose``, the transpose stays in host memory)."""
         block = self._blocks[c]
-        return self.mover.fetch_block(block) if self._copy_blocks and block is not None else block
+        if self._copy_blocks and block is not None:
+            return self.mover.fetch_block(block, transpose)
+        return block
 
     def _take_block(self, fetched) -> Block:
         if fetched is None or isinstance(fetched, Block):
@@ -302,7 +305,7 @@ class Executor:
                 rows = mv.fetch_rows(buf.h[l], *plan.load(s), tbuf, direct=s == 0) \
                     if first and not self._direct else None
                 dst = mv.fetch_range(buf.h[l], v0, v1, "dst") if layer.needs_dst else None
-                return rows, dst, self._fetch_block(c)
+                return rows, dst, self._fetch_block(c, transpose=layer.reads_transpose)
 
             def run(i, fetched, fetch_next, l=l, layer=layer, seed=seed, tbuf=tbuf):
                 s, q, c, _, _ = plan.items[i]

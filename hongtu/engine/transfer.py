@@ -372,20 +372,22 @@ class Mover:
             out.copy_(host[start:stop], non_blocking=True)
         return Ticket(out, self._ready_event(self.s_in))
 
-    def fetch_block(self, block) -> Ticket:
+    def fetch_block(self, block, transpose: bool = True) -> Ticket:
         """Start copying a chunk's :class:`~hongtu.nn.block.Block` (pinned) to the device.
 
         Its bytes count as host→device traffic (no rows). Index arrays kept as
-        int32 on the host are widened to int64 on the device.
+        int32 on the host are widened to int64 on the device. Without
+        ``transpose`` the transpose's tensors stay in host memory.
         """
-        self.traffic.h2d_bytes += block.nbytes()
+        stay = () if transpose else block.TRANSPOSE
+        self.traffic.h2d_bytes += block.nbytes(skip=stay)
 
         def copy(t: Tensor) -> Tensor:
             d = t.to(self.device, non_blocking=True)
             return d.long() if d.dtype == torch.int32 else d  # index arrays travel narrowed
 
         with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
-            dev = block._map(copy)
+            dev = block._map(copy, skip=stay)
         return Ticket(dev, self._ready_event(self.s_in))
 
     def take_block(self, t: Ticket):

@@ -54,6 +54,8 @@ class Block:
     dst_in_deg: Tensor
     dst_start: int
     edge_start: int
+    #: the fields of the transpose (read for gradients only, by built-in ops)
+    TRANSPOSE = ("t_indptr", "t_indices", "t_perm")
     # Per-call state set by the engine: the dropout stream of this pass.
     seed: int = 0
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
@@ -102,10 +104,11 @@ class Block:
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def record_stream(self, stream) -> None:
-        """Mark every tensor as used on ``stream`` (for blocks copied on another stream)."""
+        """Mark every device tensor as used on ``stream`` (for blocks copied on another
+        stream)."""
         for f in fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, Tensor):
+            if isinstance(v, Tensor) and v.is_cuda:
                 v.record_stream(stream)
 
     def pin_memory(self) -> Block:
@@ -122,19 +125,21 @@ class Block:
         it = iter(tensors)
         return self._map(lambda _: next(it))
 
-    def _map(self, fn) -> Block:
+    def _map(self, fn, skip: tuple[str, ...] = ()) -> Block:
+        """A copy with ``fn`` applied to every tensor but those named in ``skip``."""
         kw = {}
         for f in fields(self):
             if f.name == "_cache":
                 continue
             v = getattr(self, f.name)
-            kw[f.name] = fn(v) if isinstance(v, Tensor) else v
+            kw[f.name] = fn(v) if isinstance(v, Tensor) and f.name not in skip else v
         return Block(**kw)
 
-    def nbytes(self) -> int:
-        """Bytes of the block's tensors (its device footprint before caching)."""
+    def nbytes(self, skip: tuple[str, ...] = ()) -> int:
+        """Bytes of the block's tensors (its device footprint before caching), but
+        those named in ``skip``."""
         return sum(getattr(self, f.name).nbytes for f in fields(self)
-                   if isinstance(getattr(self, f.name), Tensor))
+                   if isinstance(getattr(self, f.name), Tensor) and f.name not in skip)
 
 
 @numba.njit(nogil=True, cache=True)

@@ -59,6 +59,7 @@ class GAT(GNNLayer):
 
     aggr = None
     needs_dst = True
+    forward_reads_transpose = False
 
     def __init__(self, in_channels: int, out_channels: int, heads: int = 1, concat: bool = True,
                  negative_slope: float = 0.2, dropout: float = 0.0, bias: bool = True) -> None:

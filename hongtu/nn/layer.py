@@ -57,6 +57,11 @@ class GNNLayer(nn.Module):
     aggr: str | None = None
     #: whether :meth:`update` reads the destinations' own rows
     needs_dst: bool = True
+    #: whether :meth:`forward` reads the block's transpose (``t_indptr``,
+    #: ``t_indices``, ``t_perm``) when no gradient is taken; ``None``: only a
+    #: layer that overrides :meth:`forward` or :meth:`aggregate` may. Out of
+    #: core, forward passes copy blocks without it when no layer reads it.
+    forward_reads_transpose: bool | None = None
 
     def __init__(self, in_channels: int, out_channels: int) -> None:
         super().__init__()
@@ -75,6 +80,14 @@ class GNNLayer(nn.Module):
         return (self.aggr in ops.BUILTIN_AGGREGATIONS
                 and cls.forward is GNNLayer.forward
                 and cls.aggregate is GNNLayer.aggregate)
+
+    @property
+    def reads_transpose(self) -> bool:
+        """Whether a forward pass without gradients needs the block's transpose."""
+        if self.forward_reads_transpose is not None:
+            return bool(self.forward_reads_transpose)
+        cls = type(self)
+        return cls.forward is not GNNLayer.forward or cls.aggregate is not GNNLayer.aggregate
 
     def reset_parameters(self) -> None:
         """Re-initialise the parameters (subclasses override)."""

@@ -149,6 +149,18 @@ def test_cacheable():
     assert {name: f().cacheable for name, f in LAYERS.items()} == expected
 
 
+def test_reads_transpose():
+    """Forward passes copy blocks without their transpose unless a layer may read it:
+    built-ins never do; a layer overriding forward is assumed to unless it says not."""
+    expected = {name: name == "edge-weighted" for name in LAYERS}
+    assert {name: f().reads_transpose for name, f in LAYERS.items()} == expected
+
+    class Declared(EdgeWeightedConv):
+        forward_reads_transpose = False
+
+    assert not Declared(F_IN, F_OUT).reads_transpose
+
+
 def test_repr_and_width():
     assert repr(GCN(128, 64)) == "GCN(128, 64)"
     assert repr(SAGE(128, 64)) == "SAGE(128, 64)"
