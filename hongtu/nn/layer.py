@@ -60,7 +60,8 @@ class GNNLayer(nn.Module):
     #: whether :meth:`forward` reads the block's transpose (``t_indptr``,
     #: ``t_indices``, ``t_perm``) when no gradient is taken; ``None``: only a
     #: layer that overrides :meth:`forward` or :meth:`aggregate` may. Out of
-    #: core, forward passes copy blocks without it when no layer reads it.
+    #: core, a layer's forward pass copies its blocks without the transpose when
+    #: the layer does not read it.
     forward_reads_transpose: bool | None = None
 
     def __init__(self, in_channels: int, out_channels: int) -> None:
