@@ -92,7 +92,7 @@ class _PlanOnDevice:
     """A :class:`DevicePlan`'s index arrays on the compute device, sliced per step."""
 
     def __init__(self, plan: DevicePlan, device: torch.device, row0: int = 0,
-                 num_rows: int = 0, own_steps: np.ndarray | None = None) -> None:
+                 num_rows: int = 0, own_range=None) -> None:
         def dev(a: np.ndarray, shift: int = 0) -> Tensor:
             return torch.from_numpy(np.asarray(a, dtype=np.int64) - shift).to(device)
 
@@ -101,14 +101,17 @@ class _PlanOnDevice:
         self.load_ids, self.load_slots = dev(plan.load_ids, row0), dev(plan.load_slots)
         # A row's first flush in a pass can be written instead of added (nothing
         # was added there yet): order each step's flushes written-ones first.
-        # ``own_steps``: the step at which each row's own chunk adds its own-row
-        # gradient (layers that read their destinations' rows); none by default.
+        # ``own_range(c)``: the host rows of chunk ``c``, whose own-row gradient
+        # the chunk adds at its step (layers that read their destinations'
+        # rows); without it, no row gets one.
         ids = np.asarray(plan.flush_ids, dtype=np.int64) - row0
         ptr = np.asarray(plan.flush_ptr, dtype=np.int64)
         seen = np.zeros(max(num_rows, int(ids.max()) + 1 if ids.size else 0), dtype=np.bool_)
         own = np.full(seen.shape[0], np.iinfo(np.int64).max, dtype=np.int64)
-        if own_steps is not None:
-            own[:own_steps.shape[0]] = own_steps
+        for s in range(plan.num_steps if own_range is not None else 0):
+            for q in range(plan.step_ptr[s], plan.step_ptr[s + 1]):
+                v0, v1 = own_range(int(plan.chunk_ids[q]))
+                own[v0:v1] = s
         written = np.zeros_like(seen)
         order = np.empty(ids.shape[0], dtype=np.int64)
         self.flush_split = np.empty(ptr.shape[0] - 1, dtype=np.int64)
@@ -153,16 +156,6 @@ class _PlanOnDevice:
     def slots(self, q: int) -> Tensor:
         p = self.plan.chunk_slot_ptr
         return self.chunk_slots[int(p[q]):int(p[q + 1])]
-
-
-def _own_steps(plan: DevicePlan, chunks: ChunkSet, num_rows: int) -> np.ndarray:
-    """The step at which each host row's own chunk runs (rows of no chunk here: never)."""
-    out = np.full(num_rows, np.iinfo(np.int64).max, dtype=np.int64)
-    for s in range(plan.num_steps):
-        for q in range(plan.step_ptr[s], plan.step_ptr[s + 1]):
-            v0, v1 = chunks.range(int(plan.chunk_ids[q]))
-            out[v0:v1] = s
-    return out
 
 
 class Executor:
@@ -211,8 +204,7 @@ class Executor:
         # chunk by chunk; then a flush is written only before the row's chunk ran.
         self._own_rows = any(layer.needs_dst for layer in model.layers[1:])
         self.plan = _PlanOnDevice(plan, device, chunks.row0, buffers.h[0].shape[0],
-                                  own_steps=_own_steps(plan, chunks, buffers.h[0].shape[0])
-                                  if self._own_rows else None)
+                                  own_range=chunks.range if self._own_rows else None)
         # Staging for destination rows (none when the buffers are on the device:
         # a range is then a view of them).
         max_dst = 0 if self.resident else chunks.max_rows()[1]

@@ -114,13 +114,14 @@ ROW_COPY_PROGRAMS_PER_SM = 0.5
 
 
 @functools.cache
-def _row_kernel():
-    """The Triton row-copy kernel when Triton is importable (GPU machines), else ``None``."""
+def _row_kernels():
+    """The Triton row kernels (:mod:`hongtu.engine._triton_rows`) when Triton is
+    importable (GPU machines), else ``None``."""
     try:
-        from hongtu.engine._triton_rows import copy_rows_triton
+        from hongtu.engine import _triton_rows
     except ImportError:
         return None
-    return copy_rows_triton
+    return _triton_rows
 
 
 def copy_rows(src: Tensor, dst: Tensor, src_ids: Tensor | None = None,
@@ -130,9 +131,9 @@ def copy_rows(src: Tensor, dst: Tensor, src_ids: Tensor | None = None,
     On a GPU one bounded-grid kernel, so zero-copy reads of host rows leave the
     link room for copies going the other way; elsewhere torch's index ops.
     """
-    kernel = _row_kernel() if dst.is_cuda and ROW_COPY_PROGRAMS_PER_SM > 0 else None
-    if kernel is not None:
-        kernel(src, dst, src_ids, dst_ids, ROW_COPY_PROGRAMS_PER_SM)
+    kernels = _row_kernels() if dst.is_cuda and ROW_COPY_PROGRAMS_PER_SM > 0 else None
+    if kernels is not None:
+        kernels.copy_rows_triton(src, dst, src_ids, dst_ids, ROW_COPY_PROGRAMS_PER_SM)
         return
     rows = src if src_ids is None else src.index_select(0, src_ids)
     if dst_ids is None:
@@ -141,24 +142,15 @@ def copy_rows(src: Tensor, dst: Tensor, src_ids: Tensor | None = None,
         dst.index_copy_(0, dst_ids, rows)
 
 
-@functools.cache
-def _add_kernel():
-    try:
-        from hongtu.engine._triton_rows import add_rows_triton
-    except ImportError:
-        return None
-    return add_rows_triton
-
-
 def add_rows(dst: Tensor, ids: Tensor, src: Tensor) -> None:
     """``dst[ids] += src`` for unique ``ids`` (a chunk's source slots).
 
     On a GPU one kernel that reads, adds and writes each row (no atomics:
     the ids are unique); elsewhere ``index_add_``.
     """
-    kernel = _add_kernel() if dst.is_cuda and src.dim() == 2 else None
-    if kernel is not None:
-        kernel(dst, ids, src.contiguous())
+    kernels = _row_kernels() if dst.is_cuda and src.dim() == 2 else None
+    if kernels is not None:
+        kernels.add_rows_triton(dst, ids, src.contiguous())
     else:
         dst.index_add_(0, ids, src)
 

@@ -75,20 +75,22 @@ class GNNLayer(nn.Module):
         return self.out_channels
 
     @property
+    def _default_steps(self) -> bool:
+        """Whether forward and aggregate are this base class's own."""
+        cls = type(self)
+        return cls.forward is GNNLayer.forward and cls.aggregate is GNNLayer.aggregate
+
+    @property
     def cacheable(self) -> bool:
         """True when forward is exactly ``update(aggregate(x_src), x_dst)`` with a built-in op."""
-        cls = type(self)
-        return (self.aggr in ops.BUILTIN_AGGREGATIONS
-                and cls.forward is GNNLayer.forward
-                and cls.aggregate is GNNLayer.aggregate)
+        return self.aggr in ops.BUILTIN_AGGREGATIONS and self._default_steps
 
     @property
     def reads_transpose(self) -> bool:
         """Whether a forward pass without gradients needs the block's transpose."""
         if self.forward_reads_transpose is not None:
             return bool(self.forward_reads_transpose)
-        cls = type(self)
-        return cls.forward is not GNNLayer.forward or cls.aggregate is not GNNLayer.aggregate
+        return not self._default_steps
 
     def reset_parameters(self) -> None:
         """Re-initialise the parameters (subclasses override)."""
