@@ -15,8 +15,10 @@ Systems: ``hongtu`` (dedup + reorg + overlap, spare budget keeps reused rows),
 ``baseline`` (no reuse, no P2P, no reorg), ``resident`` (every buffer on the
 device, HongTu-IM), ``pyg`` (PyG in memory: GCNConv on a torch CSR adjacency,
 GATConv on edge_index, or OOM); ``serial`` (hongtu without overlap),
-``nocache`` (hongtu without kept rows) and ``recompute`` (hongtu without
-cached aggregates, ``engine.checkpoint=recompute``) isolate one feature each. ``NAME@N``
+``nocache`` (hongtu without kept rows), ``recompute`` (hongtu without
+cached aggregates, ``engine.checkpoint=recompute``) and ``aggfirst`` (hongtu
+aggregating before every weight, ``engine.transform_first=false``) isolate one
+feature each. ``NAME@N``
 runs a hongtu system with ``engine.chunks=N`` (same budget) instead of the
 fewest chunks that fit.
 
@@ -86,6 +88,9 @@ SYSTEMS = {
     # hongtu without cached aggregates: backward reloads neighbour rows instead
     "recompute": {"dedup": {"reuse": True, "p2p": True}, "reorg": True, "resident": False,
                   "checkpoint": "recompute"},
+    # hongtu moving h^l rows to every layer (no weight applied before the aggregation)
+    "aggfirst": {"dedup": {"reuse": True, "p2p": True}, "reorg": True, "resident": False,
+                 "transform_first": False},
 }
 
 
@@ -115,7 +120,7 @@ def in_memory_need(graph, mcfg: dict) -> int:
     ptr = np.array([0, graph.num_nodes], dtype=np.int64)
     batch = estimate_device_bytes(model, chunk_sizes(graph, np.arange(graph.num_nodes), ptr),
                                   num_nodes=graph.num_nodes, overlap=False, resident=True)
-    return batch + BufferPlan(graph.num_nodes, model.widths(), model.cached_layers("auto"),
+    return batch + BufferPlan(graph.num_nodes, model.row_widths(), model.cached_layers("auto"),
                               4).resident_bytes()
 
 
@@ -353,7 +358,7 @@ def main() -> int:
                 "budget_bytes": budget, "runs": runs}
         ok = {k: v for k, v in runs.items() if v.get("status") == "ok"}
         for a, b in (("baseline", "hongtu"), ("baseline@32", "hongtu@32"), ("serial", "hongtu"),
-                     ("nocache", "hongtu"), ("nocache@32", "hongtu@32")):
+                     ("nocache", "hongtu"), ("nocache@32", "hongtu@32"), ("aggfirst", "hongtu")):
             if a in ok and b in ok:
                 info[f"{a}_over_{b}"] = ok[a]["median_epoch_s"] / ok[b]["median_epoch_s"]
         if "resident" in ok and "pyg" in ok:

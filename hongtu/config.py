@@ -181,6 +181,8 @@ class EngineConfig:
     partitioner: Literal["metis", "range", "random"] = _f("metis", "metis | range | random")
     checkpoint: Literal["auto", "recompute"] = _f(
         "auto", "auto = recompute-caching hybrid | recompute everything in backward")
+    transform_first: bool = _f(
+        True, "apply a narrowing GCN layer's weight before aggregating (narrower rows to move)")
     dedup: DedupConfig = _f(DedupConfig(), "deduplicated transfers")
     reorg: bool = _f(True, "reorganise chunks into batches to share neighbours (HongTu Alg. 4)")
     overlap: bool = _f(True, "GPU: move the next batch's rows while the current one computes")

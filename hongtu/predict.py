@@ -28,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -127,6 +128,10 @@ def predict(cfg: Config, checkpoint: str | Path, embeddings: bool = False,
     if embeddings and cfg.model.layers < 2:
         raise UserError("--embeddings returns the last hidden layer, but model.layers=1 has "
                         "none; use the class predictions (no --embeddings) instead")
+    if embeddings and cfg.engine.transform_first:
+        # h^{L-1} itself must be kept, not the last layer's weight applied to it.
+        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine,
+                                                                  transform_first=False))
     # overwrite=True: output.dir holds the checkpoint itself, and nothing is written there.
     trainer = Trainer(cfg, overwrite=True, out=out or log.debug)
     perm = ckpt.get("perm")

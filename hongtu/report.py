@@ -178,7 +178,7 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
         # As training does: the budget the plan leaves keeps reused rows resident.
         extra, _ = spare_rows(ctx["budget"], need_of(needs),
                               resident_block_bytes(sizes, ctx["itemsize"]),
-                              max(ctx["model"].widths()), ctx["itemsize"])
+                              max(ctx["model"].row_widths()), ctx["itemsize"])
         return extra if e.dedup.cache else 0
 
     plan = plan_transfers(g.indptr, g.indices, part.chunk_ptr, m, n, order=order,
@@ -262,7 +262,8 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     e, notes, t = cfg.engine, [], {}
     t0 = time.perf_counter()
     full = load_data(cfg)
-    model = build_model(cfg.model, full.num_features, full.num_classes)
+    model = build_model(cfg.model, full.num_features, full.num_classes,
+                        transform_first=e.transform_first)
     info = {"name": full.name, "num_nodes": full.num_nodes, "num_edges": full.num_edges,
             "num_features": full.num_features, "num_classes": full.num_classes}
     # The report never needs vertex data: keep the structure alone.
@@ -274,7 +275,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         notes.append(f"engine.devices={e.devices} trains one part per device: the plan is "
                      f"made for engine.parts={e.devices}, not {m}")
         m = e.devices
-    widths, itemsize = model.widths(), 4
+    widths, itemsize = model.row_widths(), 4
     cached = model.cached_layers(e.checkpoint)
     needs_dst = [bool(layer.needs_dst) for layer in model.layers]
     passes = [1 + (not cached[l]) + (l > 0) for l in range(len(cached))]
@@ -318,7 +319,8 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     data = {
         "graph": info,
         "model": {"layers": [repr(x) for x in model.layers], "widths": widths,
-                  "cached": cached, "needs_dst": needs_dst, "itemsize": itemsize},
+                  "cached": cached, "needs_dst": needs_dst, "itemsize": itemsize,
+                  "transform_first": [model.transforms_first(l) for l in range(len(cached))]},
         "engine": {"partitioner": e.partitioner, "parts": m, "chunks": n,
                    "chunks_how": chunks_how, "devices": e.devices, "reuse": e.dedup.reuse,
                    "p2p": e.dedup.p2p, "reorg": e.reorg, "checkpoint": e.checkpoint,
@@ -359,8 +361,10 @@ def _ms(s: float) -> str:
 
 def _header(d: dict) -> list[str]:
     g, en, tp = d["graph"], d["engine"], d["throughput"]
-    model = ", ".join(x + (" [cached]" if c else "")
-                      for x, c in zip(d["model"]["layers"], d["model"]["cached"]))
+    from hongtu.nn.model import describe_layers
+
+    model = describe_layers(d["model"]["layers"], d["model"]["cached"],
+                            d["model"].get("transform_first", [False] * len(d["model"]["cached"])))
     src = {k: v if v in ("config", "default") else "calibrated" for k, v in tp["source"].items()}
     return [
         f"graph {g['name']}: {g['num_nodes']:,} vertices, {g['num_edges']:,} edges; model: {model}",

@@ -25,6 +25,7 @@ from hongtu.config import format_size
 from hongtu.errors import UserError
 from hongtu.graph import Graph
 from hongtu.graph._kernels import unique_union
+from hongtu.nn import ops
 from hongtu.nn.model import GNN
 from hongtu.partition import Chunker, Partition
 from hongtu.partition._kernels import distinct_sources
@@ -35,6 +36,8 @@ __all__ = ["CHUNK_CANDIDATES", "ChunkSizes", "Chunkings", "choose_chunks", "chun
 CHUNK_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512,
                     768, 1024, 1536, 2048, 4096)
 _MASK_BYTES = 5  # dropout: the boolean mask and the masked copy's extra, per element
+# (none when the fused GPU kernel runs, ops.fused_dropout: counted then only for
+# layers with their own forward, whose peaks were measured with it counted)
 # Fixed extras: cuSPARSE workspaces and allocator slack. (The dropout mask is
 # one Triton kernel on GPUs and a numba kernel on CPU: no int64 temporaries.
 # Only the tensor-op fallback, on a GPU without Triton, hashes MASK_BLOCK
@@ -93,7 +96,7 @@ def estimate_device_bytes(model: GNN, sizes: ChunkSizes, itemsize: int = 4,
             :meth:`~hongtu.engine.buffers.BufferPlan.resident_bytes`), so
             destination rows need no staging.
     """
-    widths = model.widths()
+    widths, true = model.row_widths(), model.widths()
     wmax = max(widths)
     max_src, max_dst = int(sizes.num_src.max()), int(sizes.num_dst.max())
     rows = max_src if buffer_rows is None else int(buffer_rows)
@@ -103,13 +106,17 @@ def estimate_device_bytes(model: GNN, sizes: ChunkSizes, itemsize: int = 4,
     fixed += sum(p.numel() for p in model.parameters()) * itemsize * 4
     fixed += num_nodes * 11  # labels (int64) and three masks (bool)
     fixed += _FIXED_EXTRA
-    drop = _MASK_BYTES if (training and model.p > 0) else 0
+    fused = itemsize == 4 and ops.fused_dropout()
+    masks = training and model.p > 0
     peak = 0
     for l, layer in enumerate(model.layers):
         w_in, w_out = widths[l], widths[l + 1]
+        drop = _MASK_BYTES if masks and not (fused and layer.cacheable) else 0
         src, dst, e = sizes.num_src, sizes.num_dst, sizes.num_edges
         block = e * (3 * 8 + itemsize + 8) + (src + dst) * (8 + itemsize) + src * 8
         act = src * w_in * (2 * itemsize + drop) + dst * (3 * w_in + 3 * w_out) * itemsize
+        if w_out != true[l + 1]:  # the next layer transforms first: h^{l+1}[V], then z
+            act = act + dst * true[l + 1] * (3 * itemsize + drop)
         extra = np.array([layer.extra_device_bytes(int(a), int(b), int(c), itemsize)
                           for a, b, c in zip(src, dst, e)], dtype=np.int64)
         peak = max(peak, int((block + act + extra).max()))

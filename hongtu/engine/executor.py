@@ -197,7 +197,7 @@ class Executor:
         self.seed = seed
         self.cached = model.cached_layers(checkpoint)
         self.dtype = buffers.h[1].dtype
-        widths = model.widths()
+        widths = model.row_widths()
         self.comm = comm
         self.resident = buffers.h[1].device.type == "cuda"
         # Layers that read their destinations' own rows add those rows' gradient
@@ -288,7 +288,7 @@ class Executor:
         acc = torch.zeros(7, dtype=torch.float64, device=self.device)  # loss, correct, total
         for l in range(L):
             layer = model.layers[l]
-            seed = self._seed(epoch, l)
+            seed, nxt = self._seed(epoch, l), self._seed(epoch, l + 1)
             tbuf = self._buffer(self._tbuf, buf.h[l].shape[1])
 
             def fetch(i, l=l, layer=layer, tbuf=tbuf):
@@ -299,7 +299,7 @@ class Executor:
                 dst = mv.fetch_range(buf.h[l], v0, v1, "dst") if layer.needs_dst else None
                 return rows, dst, self._fetch_block(c, transpose=layer.reads_transpose)
 
-            def run(i, fetched, fetch_next, l=l, layer=layer, seed=seed, tbuf=tbuf):
+            def run(i, fetched, fetch_next, l=l, layer=layer, seed=seed, nxt=nxt, tbuf=tbuf):
                 s, q, c, _, _ = plan.items[i]
                 rows, dst, block = fetched
                 if rows is not None:
@@ -313,10 +313,10 @@ class Executor:
                     x_src = self._sources(l, q, block, tbuf)
                     if self.cached[l] and train:
                         a = model.step_aggregate(l, block, x_src, seed)
-                        out = model.step_update(l, block, a, x_dst, seed)
+                        out = model.step_update(l, block, a, x_dst, seed, nxt)
                     else:
                         a = None
-                        out = model.step_forward(l, block, x_src, x_dst, seed)
+                        out = model.step_forward(l, block, x_src, x_dst, seed, nxt)
                     grad = self._output(out, v0, v1, train, acc) if l == L - 1 else None
                 if a is not None:
                     mv.store_range(buf.agg[l], v0, a)
@@ -422,7 +422,7 @@ class Executor:
         model.train(True)
         for l in reversed(range(model.num_layers)):
             layer = model.layers[l]
-            seed = self._seed(epoch, l)
+            seed, nxt = self._seed(epoch, l), self._seed(epoch, l + 1)
             need_in = l > 0  # ∇h^0 is never needed: inputs carry no gradient
             width = buf.h[l].shape[1]
             tbuf = self._buffer(self._tbuf, width)
@@ -455,7 +455,7 @@ class Executor:
                 block = self._blocks[c] if no_graph else self._fetch_block(c)
                 return rows, g_out, dst, agg, block
 
-            def run(i, fetched, fetch_next, l=l, layer=layer, seed=seed, tbuf=tbuf,
+            def run(i, fetched, fetch_next, l=l, layer=layer, seed=seed, nxt=nxt, tbuf=tbuf,
                     gbuf=gbuf, need_in=need_in, write=write):
                 s, q, c, first, last = plan.items[i]
                 rows = fetched[0]
@@ -466,7 +466,7 @@ class Executor:
                     gbuf.index_fill_(0, plan.load(s)[1], 0)  # rows entering: no gradient
                     gbuf[plan.plan.num_slots:].zero_()  # and so does the receive area
                 fetch_next()
-                self._backward_chunk(l, layer, q, c, fetched, tbuf, gbuf, need_in, seed)
+                self._backward_chunk(l, layer, q, c, fetched, tbuf, gbuf, need_in, seed, nxt)
                 if progress is not None:
                     progress(1)
                 if last and need_in and not self._direct:
@@ -485,7 +485,7 @@ class Executor:
             self.comm.all_reduce_grads(self.model.parameters())
 
     def _backward_chunk(self, l: int, layer, q: int, c: int, fetched, tbuf: Tensor,
-                        gbuf: Tensor, need_in: bool, seed: int) -> None:
+                        gbuf: Tensor, need_in: bool, seed: int, nxt: int) -> None:
         model, buf, mv = self.model, self.buf, self.mover
         _, g_out, dst, agg, block = fetched
         block = self._take_block(block)
@@ -495,13 +495,13 @@ class Executor:
         a = mv.take(agg).detach().requires_grad_(need_in) if agg is not None else None
         with mv.timing("time_compute_s"), torch.enable_grad():
             if a is not None:
-                out = model.step_update(l, block, a, x_dst, seed)
+                out = model.step_update(l, block, a, x_dst, seed, nxt)
                 _backward(out, g_out)
                 g_src = (model.step_aggregate_transpose(l, block, a.grad, seed)
                          if need_in and a.grad is not None else None)
             else:
                 x_src = self._sources(l, q, block, tbuf).detach().requires_grad_(need_in)
-                out = model.step_forward(l, block, x_src, x_dst, seed)
+                out = model.step_forward(l, block, x_src, x_dst, seed, nxt)
                 _backward(out, g_out)
                 g_src = x_src.grad if need_in else None
             if g_src is not None:

@@ -41,7 +41,7 @@ from hongtu.engine.comm import in_distributed_launch, init_from_env
 from hongtu.engine.executor import Executor
 from hongtu.errors import UserError
 from hongtu.graph import Graph
-from hongtu.nn.model import GNN, build_model
+from hongtu.nn.model import GNN, build_model, describe_layers
 from hongtu.partition import assign_parts
 from hongtu.reorg import plan_batches
 
@@ -130,7 +130,8 @@ class Trainer:
         t_part = time.perf_counter()
         self.num_classes = graph.num_classes
         torch.manual_seed(cfg.train.seed)
-        self.model: GNN = build_model(cfg.model, graph.num_features, self.num_classes)
+        self.model: GNN = build_model(cfg.model, graph.num_features, self.num_classes,
+                                      transform_first=e.transform_first)
         self.model.to(device=self.device, dtype=dtype)
         parts = world if e.parts == "auto" else e.parts
         if world > 1 and parts != world:
@@ -152,8 +153,8 @@ class Trainer:
         self._chunkings = Chunkings(graph, assignment, parts)  # the chunk counts tried
         own_rows = int(self._chunkings.chunker.part_sizes[rank]) if world > 1 else graph.num_nodes
         self.resident, self.room, chunks = self._resident(
-            graph, assignment, parts, BufferPlan(own_rows, self.model.widths(), cached, itemsize),
-            itemsize)
+            graph, assignment, parts,
+            BufferPlan(own_rows, self.model.row_widths(), cached, itemsize), itemsize)
         if chunks is None and e.chunks == "auto":
             chunks, _ = choose_chunks(graph, assignment, parts, self.model, self.room, itemsize,
                                       chunkings=self._chunkings, overlap=e.overlap)
@@ -196,14 +197,14 @@ class Trainer:
         def cache_rows(needs) -> int:
             """Rows the budget left after the plan keeps resident across batches."""
             extra, _ = spare_rows(self.room, estimate(needs[rank]), blocks,
-                                  max(self.model.widths()), itemsize)
+                                  max(self.model.row_widths()), itemsize)
             extra = extra if e.dedup.cache and not self.resident else 0
             return self.comm.min_int(extra) if self.comm else extra  # one plan for all ranks
 
         self.order, self.transfer_plan = plan_batches(
             g.indptr, g.indices, self.partition.chunk_ptr, parts, chunks,
             reuse=e.dedup.reuse, p2p=e.dedup.p2p, reorg=e.reorg, devices=world,
-            row_bytes=itemsize * max(self.model.widths()), t_hd=tp["host_to_device"],
+            row_bytes=itemsize * max(self.model.row_widths()), t_hd=tp["host_to_device"],
             t_dd=tp["device_to_device"], t_ru=tp["reuse"], cache_rows=cache_rows,
             neighbours=neighbours)
         self.plan_s = time.perf_counter() - t_plan
@@ -220,7 +221,7 @@ class Trainer:
                                      part=rank if world > 1 else None, sources=neighbours)
         del neighbours  # each block holds its own sources now
         split["blocks_s"] = time.perf_counter() - t
-        plan = BufferPlan(b - a, self.model.widths(), cached, itemsize)
+        plan = BufferPlan(b - a, self.model.row_widths(), cached, itemsize)
         self.out(self._plan_text(plan, parts, chunks))
         t = time.perf_counter()
         buffers = HostBuffers(plan, x, pin=self.device.type == "cuda", dtype=dtype,
@@ -314,8 +315,9 @@ class Trainer:
 
     def _plan_text(self, plan: BufferPlan, parts: int, chunks: int) -> str:
         budget = "none" if self.budget is None else format_size(self.budget)
-        layers = ", ".join(repr(layer) + (" [cached]" if c else "")
-                           for layer, c in zip(self.model.layers, plan.cached))
+        m = self.model
+        layers = describe_layers([repr(x) for x in m.layers], plan.cached,
+                                 [m.transforms_first(l) for l in range(m.num_layers)])
         tp = self.transfer_plan
         n = max(tp.num_nodes, 1)
         where = ("device buffers (resident: everything fits the budget, nothing crosses the "

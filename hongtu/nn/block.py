@@ -76,9 +76,11 @@ class Block:
     def device(self) -> torch.device:
         return self.indices.device
 
-    def dst_ids(self) -> Tensor:
-        """Global ids of the destinations (a contiguous range)."""
-        return torch.arange(self.dst_start, self.dst_start + self.num_dst, device=self.device)
+    def dst_ids(self, device: torch.device | None = None) -> Tensor:
+        """Global ids of the destinations (a contiguous range), on ``device``
+        (default the block's)."""
+        return torch.arange(self.dst_start, self.dst_start + self.num_dst,
+                            device=self.device if device is None else device)
 
     def edge_ids(self) -> Tensor:
         """Global ids of the edges, in local CSR order."""

@@ -19,7 +19,9 @@ class GCN(GNNLayer):
     with :math:`d` the in-degree. Self-loops come from the graph
     (``data.self_loops: true``), as ``GCNConv`` adds them. Aggregating before
     the linear map makes the layer cacheable; the result equals PyG's
-    ``GCNConv`` with the same weights.
+    ``GCNConv`` with the same weights. Where the layer narrows its rows, the
+    engine may apply the linear map first (:meth:`transform`, as
+    ``GCNConv`` always does): the same function, narrower rows to move.
 
     Args:
         in_channels: input width.
@@ -48,5 +50,10 @@ class GCN(GNNLayer):
             nn.init.zeros_(self.bias)
 
     def update(self, a: Tensor, x_dst: Tensor | None) -> Tensor:
-        out = self.lin(a)
-        return out if self.bias is None else out + self.bias
+        return self.finish(self.lin(a))
+
+    def transform(self, x: Tensor) -> Tensor:
+        return self.lin(x)
+
+    def finish(self, a: Tensor) -> Tensor:
+        return a if self.bias is None else a + self.bias

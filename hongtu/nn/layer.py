@@ -16,6 +16,14 @@ aggregate in host memory during forward, and in backward recomputes only
 transpose without reloading the neighbour rows. A layer that overrides
 :meth:`forward` (edge networks such as GAT, any custom message function) is
 recomputed in full in backward. Nothing else is needed from a subclass.
+
+A cacheable layer whose update is a linear map followed by a per-row step,
+``update(a, None) == finish(transform(a))``, may also implement
+:meth:`transform` and :meth:`finish`. Since the aggregation is linear,
+``A (x W) = (A x) W``: when the map narrows the rows, the engine applies it to
+each vertex's own row before the aggregation (``engine.transform_first``,
+as DGL's ``GraphConv`` and PyG's ``GCNConv`` do), and the neighbour rows that
+cross the host link are the narrow ones.
 """
 
 from __future__ import annotations
@@ -106,6 +114,34 @@ class GNNLayer(nn.Module):
     def update(self, a: Tensor, x_dst: Tensor | None) -> Tensor:
         """The learnable part: aggregate (and own rows) to output rows."""
         raise NotImplementedError(f"{type(self).__name__} must implement update() or forward()")
+
+    def transform(self, x: Tensor) -> Tensor:
+        """Optional: the linear map of the update, ``(rows, in) -> (rows, out_width)``.
+
+        A layer that implements it (and :meth:`finish`) promises
+        ``update(a, None) == finish(transform(a))`` with ``transform`` linear
+        (no bias: ``transform(x + y) == transform(x) + transform(y)``).
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no separate linear transform")
+
+    def finish(self, a: Tensor) -> Tensor:
+        """Optional: the per-row rest of the update after :meth:`transform` (e.g. the bias)."""
+        return a
+
+    @property
+    def can_transform_first(self) -> bool:
+        """Whether the engine may apply :meth:`transform` before the aggregation.
+
+        Only where :meth:`transform` comes from the class that defines
+        :meth:`update` (or one below it): a subclass that changes ``update``
+        alone breaks the promise its parent's ``transform`` made.
+        """
+        def owner(name: str) -> type:
+            return next(k for k in type(self).__mro__ if name in vars(k))
+
+        made = owner("transform")
+        return (self.cacheable and not self.needs_dst and made is not GNNLayer
+                and issubclass(made, owner("update")))
 
     def forward(self, block: Block, x_src: Tensor, x_dst: Tensor | None) -> Tensor:
         """Compute the destinations' new rows.

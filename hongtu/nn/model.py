@@ -42,19 +42,31 @@ class GNN(nn.Module):
 
     with :math:`\sigma` the identity on the last layer.
 
+    With ``transform_first``, a layer ``l > 0`` that can
+    (:attr:`GNNLayer.can_transform_first`) and narrows its rows is split:
+    the engine keeps :math:`z^l = W_l\,\mathrm{drop}(h^l)` instead of
+    :math:`h^l` (layer ``l-1``'s step computes it for its own rows), and layer
+    ``l`` aggregates :math:`z^l` and finishes (bias, activation). The function
+    is the same; the rows layer ``l`` reads are ``out`` wide instead of ``in``.
+    The ``step_*`` methods take and return the rows as the engine keeps them
+    (:meth:`row_widths`).
+
     Args:
         layers: the layers, first to last.
         dropout: drop probability on every layer's input.
         activation: ``relu`` or ``elu``.
+        transform_first: split narrowing layers as above (default ``False``:
+            every step reads and writes ``h``).
     """
 
     def __init__(self, layers: list[GNNLayer], dropout: float = 0.0,
-                 activation: str = "relu") -> None:
+                 activation: str = "relu", transform_first: bool = False) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self.p = float(dropout)
         self.activation = activation
         self._act = _ACTIVATIONS[activation]
+        self.transform_first = bool(transform_first)
 
     @property
     def num_layers(self) -> int:
@@ -72,39 +84,81 @@ class GNN(nn.Module):
         """Row width of ``h^0 .. h^L``."""
         return [self.layers[0].in_channels] + [layer.out_width for layer in self.layers]
 
+    def transforms_first(self, l: int) -> bool:
+        """Whether layer ``l`` reads ``z^l = W_l drop(h^l)`` (see ``transform_first``)."""
+        if not self.transform_first or not 0 < l < self.num_layers:
+            return False
+        layer = self.layers[l]
+        return layer.can_transform_first and layer.out_width < layer.in_channels
+
+    def row_widths(self) -> list[int]:
+        """Width of the rows the engine keeps per layer: ``h^0``, then ``z^l`` or ``h^l``.
+
+        The host buffers of layer ``l`` (rows, their gradient, the cached
+        aggregate) all have this width.
+        """
+        return [layer.out_width if self.transforms_first(l) else w
+                for l, (w, layer) in enumerate(zip(self.widths(), [*self.layers, None]))]
+
     def _drop(self, x: Tensor, ids: Tensor, seed: int) -> Tensor:
         return ops.dropout(x, ids, self.p, seed, self.training)
 
     def _finish(self, l: int, out: Tensor) -> Tensor:
         return out if l == self.num_layers - 1 else self._act(out)
 
+    def _emit(self, l: int, out: Tensor, block: Block, next_seed: int | None) -> Tensor:
+        """Layer ``l``'s output rows as the engine keeps them: ``h^{l+1}[V]``, or
+        ``z^{l+1}[V] = W_{l+1} drop(h^{l+1}[V])`` when layer ``l+1`` transforms first."""
+        if not self.transforms_first(l + 1):
+            return out
+        if next_seed is None:
+            raise ValueError(f"layer {l + 1} transforms first: pass next_seed (its dropout seed)")
+        ids = block.dst_ids(out.device)  # the block may wait in host memory
+        return self.layers[l + 1].transform(self._drop(out, ids, next_seed))
+
     # ---------------------------------------------------------- engine steps
     def step_forward(self, l: int, block: Block, x_src: Tensor, x_dst: Tensor | None,
-                     seed: int) -> Tensor:
-        """Full layer ``l`` on one chunk: ``h^{l+1}[V]`` from ``h^l[N]`` and ``h^l[V]``."""
+                     seed: int, next_seed: int | None = None) -> Tensor:
+        """Full layer ``l`` on one chunk: ``h^{l+1}[V]`` from ``h^l[N]`` and ``h^l[V]``.
+
+        ``next_seed`` is layer ``l+1``'s dropout seed, needed when that layer
+        transforms first (the rows are then ``z^{l+1}``; ``x_src`` is ``z^l``
+        when layer ``l`` does).
+        """
         layer = self.layers[l]
         block.seed = seed
-        xs = self._drop(x_src, block.src_ids, seed)
-        xd = self._drop(x_dst, block.dst_ids(), seed) if x_dst is not None else None
-        return self._finish(l, layer(block, xs, xd))
+        if self.transforms_first(l):
+            out = layer.finish(layer.aggregate(block, x_src))
+        else:
+            xs = self._drop(x_src, block.src_ids, seed)
+            xd = self._drop(x_dst, block.dst_ids(), seed) if x_dst is not None else None
+            out = layer(block, xs, xd)
+        return self._emit(l, self._finish(l, out), block, next_seed)
 
     def step_aggregate(self, l: int, block: Block, x_src: Tensor, seed: int) -> Tensor:
-        """Cacheable layers: the aggregate ``a^l[V] = A drop(h^l[N])``."""
+        """Cacheable layers: the aggregate ``a^l[V] = A drop(h^l[N])`` (``A z^l[N]``)."""
         block.seed = seed
+        if self.transforms_first(l):
+            return self.layers[l].aggregate(block, x_src)
         return self.layers[l].aggregate(block, self._drop(x_src, block.src_ids, seed))
 
     def step_update(self, l: int, block: Block, a: Tensor, x_dst: Tensor | None,
-                    seed: int) -> Tensor:
+                    seed: int, next_seed: int | None = None) -> Tensor:
         """Cacheable layers: ``h^{l+1}[V]`` from the aggregate and the own rows."""
         block.seed = seed
-        xd = self._drop(x_dst, block.dst_ids(), seed) if x_dst is not None else None
-        return self._finish(l, self.layers[l].update(a, xd))
+        layer = self.layers[l]
+        if self.transforms_first(l):
+            out = layer.finish(a)
+        else:
+            xd = self._drop(x_dst, block.dst_ids(), seed) if x_dst is not None else None
+            out = layer.update(a, xd)
+        return self._emit(l, self._finish(l, out), block, next_seed)
 
     def step_aggregate_transpose(self, l: int, block: Block, grad_a: Tensor,
                                  seed: int) -> Tensor:
-        """Cacheable layers: ``∇h^l[N]`` contributed through the aggregate."""
+        """Cacheable layers: ``∇h^l[N]`` (``∇z^l[N]``) contributed through the aggregate."""
         g = ops.aggregate_transpose(block, grad_a, self.layers[l].aggr)
-        if self.training and self.p > 0:
+        if self.training and self.p > 0 and not self.transforms_first(l):
             # Dropout is diagonal: its transpose is the same mask and scale.
             g = self._drop(g, block.src_ids, seed)
         return g
@@ -119,10 +173,22 @@ class GNN(nn.Module):
         if block.num_src != x.shape[0] or block.num_dst != x.shape[0]:
             raise ValueError("full_forward needs a block over all vertices "
                              "(build_block(..., src_ids=np.arange(N)))")
-        h = x
-        for l in range(self.num_layers):
-            h = self.step_forward(l, block, h, h if self.layers[l].needs_dst else None, seeds[l])
+        h, L = x, self.num_layers
+        for l in range(L):
+            h = self.step_forward(l, block, h, h if self.layers[l].needs_dst else None, seeds[l],
+                                  seeds[l + 1] if l + 1 < L else None)
         return h
+
+
+def describe_layers(names: list[str], cached: list[bool], first: list[bool]) -> str:
+    """``GCN(100, 64) [cached], GCN(64, 7) [cached, weight first]``: each layer
+    with how the engine trains it (cached aggregate; weight applied before the
+    aggregation, :meth:`GNN.transforms_first`)."""
+    def tags(c: bool, f: bool) -> str:
+        t = ", ".join(x for x, on in (("cached", c), ("weight first", f)) if on)
+        return f" [{t}]" if t else ""
+
+    return ", ".join(n + tags(c, f) for n, c, f in zip(names, cached, first))
 
 
 # ------------------------------------------------------------------ builder
@@ -158,8 +224,9 @@ def resolve_layer(name: str) -> type:
     return obj
 
 
-def build_model(cfg, in_dim: int, num_classes: int) -> GNN:
-    """Build the :class:`GNN` described by a :class:`~hongtu.config.ModelConfig`."""
+def build_model(cfg, in_dim: int, num_classes: int, transform_first: bool = False) -> GNN:
+    """Build the :class:`GNN` described by a :class:`~hongtu.config.ModelConfig`
+    (``transform_first``: see :class:`GNN`)."""
     cls = resolve_layer(cfg.layer)
     layers: list[GNNLayer] = []
     width = in_dim
@@ -173,7 +240,8 @@ def build_model(cfg, in_dim: int, num_classes: int) -> GNN:
             layer = cls(width, out)
         layers.append(layer)
         width = layer.out_width
-    return GNN(layers, dropout=cfg.dropout, activation=cfg.activation)
+    return GNN(layers, dropout=cfg.dropout, activation=cfg.activation,
+               transform_first=transform_first)
 
 
 def reference_loss(model: GNN, block: Block, x: Tensor, y: Tensor, train_mask: Tensor,

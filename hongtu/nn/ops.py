@@ -28,7 +28,7 @@ from hongtu.nn.block import Block
 __all__ = [
     "BUILTIN_AGGREGATIONS", "aggregate", "aggregate_transpose", "edge_weights", "spmm",
     "gather_src", "gather_dst", "scatter_dst", "edge_softmax", "dropout", "dropout_mask",
-    "fused_edge_dots",
+    "fused_edge_dots", "fused_dropout",
 ]
 
 BUILTIN_AGGREGATIONS = ("sum", "mean", "gcn")
@@ -90,6 +90,12 @@ class _SpMM(torch.autograd.Function):
             else:
                 gv = (g2[block.edge_dst()] * x2[block.indices]).sum(-1)
         return gx, gv, None
+
+
+def fused_dropout() -> bool:
+    """Whether :func:`dropout` on a GPU (float32) is one Triton kernel each way
+    (its output is the only tensor it makes: no mask, no masked temporary)."""
+    return _triton() is not None
 
 
 def fused_edge_dots() -> bool:

@@ -76,7 +76,7 @@ def test_kept_rows_fit_the_budget_they_were_given(tmp_path):
                    "engine.device_memory=1GiB", "engine.dedup.cache=false")
     # Room for more rows than the plan needs (and than the estimate made before
     # planning, which counts a whole buffer of staging): some kept, within budget.
-    row = 2 * max(base.model.widths()) * 4
+    row = 2 * max(base.model.row_widths()) * 4
     budget = base.estimate + 2000 * row
     tr = trainer(tmp_path / "b", "engine.accelerator=cpu", "engine.chunks=8",
                  f"engine.device_memory={budget}B")

@@ -25,7 +25,10 @@ LAYERS = ["gcn", "sage", "gin", "gat", "examples.edge_weighted_conv:EdgeWeighted
 RTOL = 1e-5
 
 
-def make_model(layer: str, seed: int = 0, dropout: float = 0.5) -> GNN:
+def make_model(layer: str, seed: int = 0, dropout: float = 0.5,
+               transform_first: bool = True) -> GNN:
+    """Two layers, 6 -> 8 -> 3 wide (GCN's second layer transforms first, as the
+    engine's default has it)."""
     torch.manual_seed(seed)
     cls = resolve_layer(layer)
     if layer == "gat":
@@ -33,7 +36,7 @@ def make_model(layer: str, seed: int = 0, dropout: float = 0.5) -> GNN:
                   cls(8, NUM_CLASSES, heads=1, concat=False, dropout=dropout)]
     else:
         layers = [cls(NUM_FEATURES, 8), cls(8, NUM_CLASSES)]
-    return GNN(layers, dropout=dropout, activation="relu")
+    return GNN(layers, dropout=dropout, activation="relu", transform_first=transform_first)
 
 
 def masks_of(g):
@@ -53,7 +56,7 @@ def chunked_step(model: GNN, graph, parts: int, chunks: int, checkpoint: str, ep
     cs = ChunkSet.build(g, p.chunk_ptr, parts, chunks)
     cached = model.cached_layers(checkpoint)
     dev = torch.device(device)
-    buf = HostBuffers(BufferPlan(g.num_nodes, model.widths(), cached), g.x,
+    buf = HostBuffers(BufferPlan(g.num_nodes, model.row_widths(), cached), g.x,
                       pin=dev.type == "cuda", device=dev if resident else None)
     model.to(dev)
     _, plan = plan_batches(g.indptr, g.indices, p.chunk_ptr, parts, chunks, reuse=reuse,
@@ -67,8 +70,10 @@ def chunked_step(model: GNN, graph, parts: int, chunks: int, checkpoint: str, ep
 
 
 def reference_step(model: GNN, g, epoch: int = 3):
-    """Plain in-memory full-graph loss and gradients in float64."""
+    """Plain in-memory full-graph loss and gradients in float64 (every layer
+    aggregates h, whatever the model's transform_first)."""
     ref = copy.deepcopy(model).double().cpu()
+    ref.transform_first = False
     ref.zero_grad(set_to_none=True)
     ref.train()
     block = build_block(g.indptr, g.indices, g.in_degree(), 0, g.num_nodes, torch.float64,
@@ -107,6 +112,30 @@ def test_several_parts_on_one_device(layer):
     res, g, _ = chunked_step(model, graph, 3, 2, "auto")
     ref_loss, ref_grads = reference_step(model, g)
     assert_matches(model, res.loss, ref_loss, ref_grads)
+
+
+@pytest.mark.parametrize("transform_first", [True, False])
+@pytest.mark.parametrize("parts,chunks", [(1, 1), (1, 5), (2, 3)])
+@pytest.mark.parametrize("checkpoint", ["auto", "recompute"])
+def test_transform_first_equals_plain_training(transform_first, parts, chunks, checkpoint):
+    """Three GCN layers 6 -> 16 -> 8 -> 3: with transform_first the last two keep
+    z^l = W_l drop(h^l) (8 and 3 wide) instead of h^l (16 and 8), and the step
+    is still plain training's; fewer bytes cross the link."""
+    graph = CASES["skewed"](seed=7)
+    torch.manual_seed(0)
+    layers = [resolve_layer("gcn")(NUM_FEATURES, 16), resolve_layer("gcn")(16, 8),
+              resolve_layer("gcn")(8, NUM_CLASSES)]
+    model = GNN(layers, dropout=0.5, transform_first=transform_first)
+    assert model.row_widths() == ([NUM_FEATURES, 8, 3, 3] if transform_first
+                                  else [NUM_FEATURES, 16, 8, 3])
+    other = copy.deepcopy(model)
+    other.transform_first = not transform_first
+    res, g, ex = chunked_step(model, graph, parts, chunks, checkpoint)
+    ref_loss, ref_grads = reference_step(model, g)
+    assert_matches(model, res.loss, ref_loss, ref_grads)
+    _, _, ex_other = chunked_step(other, graph, parts, chunks, checkpoint)
+    narrow, wide = (ex, ex_other) if transform_first else (ex_other, ex)
+    assert narrow.mover.traffic.h2d_bytes < wide.mover.traffic.h2d_bytes
 
 
 DEDUP = [dict(reuse=r, p2p=p, reorg=o) for r in (False, True) for p in (False, True)
@@ -203,6 +232,7 @@ def test_evaluation_matches_full_graph_logits():
     _, g, ex = chunked_step(model, graph, 1, 4, "auto")
     res = ex.evaluate(epoch=0)
     ref = copy.deepcopy(model).double().eval()
+    ref.transform_first = False
     block = build_block(g.indptr, g.indices, g.in_degree(), 0, g.num_nodes, torch.float64,
                         src_ids=np.arange(g.num_nodes))
     with torch.no_grad():

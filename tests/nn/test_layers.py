@@ -332,3 +332,74 @@ def test_empty_blocks(name):
         assert out.shape == (b - a, layer.out_width)
         out.sum().backward()
         assert torch.isfinite(out).all()
+
+
+# ---------------------------------------------------------- transform first
+def three_gcn(transform_first: bool) -> GNN:
+    """6 -> 16 -> 8 -> 3: the last two layers narrow their rows."""
+    torch.manual_seed(0)
+    layers = [GCN(F_IN, 16), GCN(16, 8), GCN(8, F_OUT)]
+    return GNN(layers, dropout=0.5, transform_first=transform_first).double().train()
+
+
+def test_which_layers_transform_first():
+    assert [three_gcn(True).transforms_first(l) for l in range(3)] == [False, True, True]
+    assert three_gcn(True).row_widths() == [F_IN, 8, F_OUT, F_OUT]
+    plain = three_gcn(False)
+    assert not any(plain.transforms_first(l) for l in range(3))
+    assert plain.row_widths() == plain.widths() == [F_IN, 16, 8, F_OUT]
+    # widening GCN layers, layers that read their own rows or have no separate
+    # linear map (SAGE, GIN, GAT, a custom update) keep aggregating h
+    widening = GNN([GCN(F_IN, 4), GCN(4, 8)], transform_first=True)
+    assert not widening.transforms_first(1)
+    for second in (SAGE(16, 4), GIN(16, 4), GAT(16, 4, concat=False)):
+        assert not GNN([GCN(F_IN, 16), second], transform_first=True).transforms_first(1)
+
+    class NoTransform(GCN):
+        def update(self, a, x_dst):
+            return torch.tanh(super().update(a, x_dst))
+
+    assert not NoTransform(16, 4).can_transform_first
+    assert GCN(16, 4).can_transform_first
+
+
+@pytest.mark.parametrize("l", [0, 1, 2])
+def test_transform_first_steps_agree(l):
+    """Each step keeps z^{l+1} = W drop(h^{l+1}) where the next layer transforms
+    first; its aggregate-then-update path equals its full step, and its
+    aggregate transpose is the gradient in z^l."""
+    model = three_gcn(True)
+    seeds = [5, 6, 7, None]
+    x = features(model.row_widths()[l])
+    for block in [full_block()] + chunk_blocks():
+        x_src = x[block.src_ids].clone().requires_grad_()
+        a = model.step_aggregate(l, block, x_src, seeds[l])
+        got = model.step_update(l, block, a, None, seeds[l], seeds[l + 1])
+        expected = model.step_forward(l, block, x_src, None, seeds[l], seeds[l + 1])
+        torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)
+        assert got.shape[1] == model.row_widths()[l + 1]
+        g = torch.randn_like(a)
+        (want,) = torch.autograd.grad(a, x_src, g)
+        torch.testing.assert_close(model.step_aggregate_transpose(l, block, g, seeds[l]), want,
+                                   rtol=0, atol=ATOL)
+
+
+def test_transform_first_is_the_same_function():
+    """Forward and every parameter gradient equal plain aggregate-then-transform."""
+    model, plain = three_gcn(True), three_gcn(False)
+    x, seeds = features(), [5, 6, 7]
+    out = model.full_forward(full_block(), x, seeds)
+    ref = plain.full_forward(full_block(), x, seeds)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref.backward(g)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_transform_first_needs_the_next_seed():
+    model = three_gcn(True)
+    block = full_block()
+    with pytest.raises(ValueError, match="next_seed"):
+        model.step_forward(0, block, features(), None, 5)
