@@ -114,7 +114,8 @@ def model_cfg(model: str, hidden: int) -> dict:
 
 
 def in_memory_need(graph, mcfg: dict) -> int:
-    """hongtu's estimate of training in memory: every buffer plus one whole-graph batch."""
+    """hongtu's estimate of training in memory: every buffer plus one whole-graph batch
+    (of the model aggregating h for every layer, so budgets stay those of earlier runs)."""
     model = build_model(config_from_dict({"model": mcfg}).model, graph.num_features,
                         graph.num_classes)
     ptr = np.array([0, graph.num_nodes], dtype=np.int64)

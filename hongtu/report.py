@@ -363,8 +363,8 @@ def _header(d: dict) -> list[str]:
     g, en, tp = d["graph"], d["engine"], d["throughput"]
     from hongtu.nn.model import describe_layers
 
-    model = describe_layers(d["model"]["layers"], d["model"]["cached"],
-                            d["model"].get("transform_first", [False] * len(d["model"]["cached"])))
+    m = d["model"]
+    model = describe_layers(m["layers"], m["cached"], m["transform_first"])
     src = {k: v if v in ("config", "default") else "calibrated" for k, v in tp["source"].items()}
     return [
         f"graph {g['name']}: {g['num_nodes']:,} vertices, {g['num_edges']:,} edges; model: {model}",
