@@ -91,25 +91,33 @@ def _replication(graph: Graph, method: str, seed: int, cache_dir: str,
 
 
 def _traffic(widths, cached, needs_dst, itemsize: int, num_nodes: int, h2d_rows: int,
-             d2h_rows: int) -> dict:
-    """Bytes of one training step (forward, loss, backward) as the executor moves them."""
+             d2h_rows: int, whole: list[bool] | None = None) -> dict:
+    """Bytes of one training step (forward, loss, backward) as the executor moves them.
+
+    ``whole[l]``: layer ``l``'s passes move all its rows (and gradients) at once
+    instead of the plan's rows (:func:`~hongtu.engine.executor.whole_layers`).
+    """
     n = num_nodes
     layers = []
     for l in range(len(widths) - 1):
         row, out = widths[l] * itemsize, widths[l + 1] * itemsize
         dst = n * row if needs_dst[l] else 0
+        all_rows = bool(whole and whole[l])
+        loads = n * row if all_rows else h2d_rows * row
         layers.append({
             "layer": l, "width": widths[l], "row_bytes": row, "cached": cached[l],
-            "forward_bytes": h2d_rows * row,
-            "backward_reload_bytes": 0 if cached[l] else h2d_rows * row,
-            "flush_bytes": d2h_rows * row if l > 0 else 0,
+            "whole": all_rows,
+            "forward_bytes": loads,
+            "backward_reload_bytes": 0 if cached[l] else loads,
+            "flush_bytes": (n if all_rows else d2h_rows) * row if l > 0 else 0,
             "aggregate_d2h_bytes": n * row if cached[l] else 0,
             "aggregate_h2d_bytes": n * row if cached[l] else 0,
             # own rows h^l[V] (forward and backward), ∇h^{l+1}[V] in backward
             "range_h2d_bytes": 2 * dst + n * out,
             # h^{l+1}[V] (∇h^L for the last layer), ∇h^l[V] of the own rows
-            "range_d2h_bytes": n * out + (dst if l > 0 else 0),
-            "evaluation_bytes": h2d_rows * row + dst + n * out,
+            # (added on the device when the layer's gradients stay there whole)
+            "range_d2h_bytes": n * out + (dst if l > 0 and not all_rows else 0),
+            "evaluation_bytes": loads + dst + n * out,
         })
     t = {k: sum(x[k] for x in layers) for k in layers[0] if k.endswith("_bytes")}
     t.pop("row_bytes")
@@ -210,7 +218,9 @@ def _costs(plan: TransferPlan, traffic: dict, tp: dict, passes: list[int]) -> di
 
     v_p2p = plan.v_p2p if plan.p2p or plan.num_parts == 1 else plan.v_ori
     eff = Volumes(plan.v_ori, v_p2p, min(plan.h2d_rows, v_p2p))  # = the paper's with dedup on
-    per_layer = [cost(eff, tp["host_to_device"], tp["device_to_device"], tp["reuse"],
+    # (a layer that moves all its rows does so in one contiguous copy)
+    per_layer = [x["forward_bytes"] / tp["contiguous"] if x.get("whole") else
+                 cost(eff, tp["host_to_device"], tp["device_to_device"], tp["reuse"],
                       row_bytes=x["row_bytes"]) for x in traffic["layers"]]
     c_epoch = sum(c * p for c, p in zip(per_layer, passes))
     contiguous_s = traffic["epoch"]["contiguous_bytes"] / tp["contiguous"]
@@ -256,6 +266,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         parts_list: part counts of the α table (default :data:`PARTS_LIST`).
         chunks_list: chunk counts to compare (default ``n`` and its neighbours).
     """
+    from hongtu.engine.executor import whole_layers
     from hongtu.engine.trainer import load_data
     from hongtu.nn.model import build_model
 
@@ -297,8 +308,11 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     t["plan_s"] = time.perf_counter() - t0
 
     def traffic_of(plan: TransferPlan) -> dict:
+        first = plan.plans[0]
+        whole = whole_layers(graph.num_nodes, widths, first.buffer_rows,
+                             int(first.load_ids.shape[0]), e.devices > 1)
         return _traffic(widths, cached, needs_dst, itemsize, graph.num_nodes, plan.h2d_rows,
-                        plan.d2h_rows)
+                        plan.d2h_rows, whole)
 
     t0 = time.perf_counter()
     memory = []
@@ -421,14 +435,15 @@ def _transfer_section(d: dict) -> list[str]:
     if p.get("cached_rows"):
         lines.append(f"  the budget left after the plan keeps {p['cached_rows']:,} reused rows "
                      "on the device across batches (engine.dedup.cache)")
-    rows = [("layer", "width", "cached", "forward", "bwd reload", "grad flush", "aggregates",
-             "ranges", "C / pass", "passes")]
+    rows = [("layer", "width", "cached", "rows", "forward", "bwd reload", "grad flush",
+             "aggregates", "ranges", "C / pass", "passes")]
     for x, cl, ps in zip(t["layers"], c["per_layer_pass_s"], c["passes"]):
         rows.append((str(x["layer"]), str(x["width"]), "yes" if x["cached"] else "no",
+                     "all" if x.get("whole") else "plan",
                      fs(x["forward_bytes"]), fs(x["backward_reload_bytes"]), fs(x["flush_bytes"]),
                      fs(x["aggregate_d2h_bytes"] + x["aggregate_h2d_bytes"]),
                      fs(x["range_h2d_bytes"] + x["range_d2h_bytes"]), _ms(cl), str(ps)))
-    lines += _table(rows, right=set(range(1, 10)) - {2})
+    lines += _table(rows, right=set(range(1, 11)) - {2, 3})
     ep = t["epoch"]
     return lines + [
         f"  epoch: neighbour rows {fs(ep['neighbour_bytes'])} (forward {fs(ep['forward_bytes'])}"

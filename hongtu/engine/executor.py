@@ -88,6 +88,23 @@ def _first_flushes_first(ids, ptr, seen, own_step, written, order, split):
             seen[ids[t]] = True
 
 
+def whole_layers(num_rows: int, widths: list[int], buffer_rows: int, load_rows: int,
+                 exchange: bool) -> list[bool]:
+    """Which layers' passes move all of ``h^l`` (and ``∇h^l``) in one contiguous
+    copy each instead of the plan's neighbour rows.
+
+    A layer's pass does when its rows and their gradients (``num_rows`` each,
+    ``widths[l]`` wide) fit the memory of the transition buffer and its gradient
+    twin (``buffer_rows`` of the widest row each), and the plan would load at
+    least as many rows per pass (``load_rows``): fewer bytes, as DMA instead of
+    a gather. Only for a lone process (``exchange`` false); otherwise rows of
+    other parts travel by the plan's exchange.
+    """
+    cap = int(buffer_rows) * max(widths)
+    return [not exchange and load_rows >= num_rows and num_rows * w <= cap
+            for w in widths[:-1]]
+
+
 class _PlanOnDevice:
     """A :class:`DevicePlan`'s index arrays on the compute device, sliced per step."""
 
@@ -215,10 +232,13 @@ class Executor:
         # Resident on one device: chunks read h^l and add into ∇h^l in place, so
         # the transition buffer and the transfer plan are not needed.
         self._direct = self.resident and comm is None
-        # The transition buffer (rows of h^l) and its gradient twin, allocated once.
+        # The transition buffer (rows of h^l) and its gradient twin, allocated once
+        # as one piece; a layer whose whole rows fit it moves them all at once.
         rows = 1 if self._direct else max(plan.buffer_rows, 1)
-        self._tbuf = torch.empty(rows * max(widths), dtype=self.dtype, device=device)
-        self._gbuf = torch.empty(rows * max(widths), dtype=self.dtype, device=device)
+        self._rowmem = torch.empty(2 * rows * max(widths), dtype=self.dtype, device=device)
+        self._tbuf, self._gbuf = self._rowmem.chunk(2)
+        self._whole = [False] * len(widths) if self._direct else whole_layers(
+            buffers.h[0].shape[0], widths, rows, int(plan.load_ids.shape[0]), comm is not None)
         self.labels = labels.to(device)
         self.masks = {k: m.to(device) for k, m in masks.items()}
         self.num_train = max(int(masks["train"].sum()) if num_train is None else num_train, 1)
@@ -255,8 +275,15 @@ class Executor:
             return fetched
         return self.mover.take_block(fetched)
 
+    def _whole_rows(self, l: int, k: int = 0) -> Tensor:
+        """A whole layer's rows (``k = 0``) or their gradients (``k = 1``) on the device."""
+        n, w = self.buf.h[0].shape[0], self.buf.h[l].shape[1]
+        return self._rowmem[k * n * w:(k + 1) * n * w].view(n, w)
+
     def _sources(self, l: int, q: int, block: Block, tbuf: Tensor) -> Tensor:
         """``h^l[N_c]``: from the transition buffer, or (resident) from ``h^l`` itself."""
+        if self._whole[l]:
+            return self._whole_rows(l).index_select(0, block.src_ids)
         if not self._direct:
             return tbuf.index_select(0, self.plan.slots(q))
         h = self.buf.h[l]
@@ -264,12 +291,25 @@ class Executor:
 
     def _add_sources(self, l: int, q: int, block: Block, gbuf: Tensor, g: Tensor) -> None:
         """``∇h^l[N_c] += g``: at the rows' slots, or (resident) into ``∇h^l`` itself."""
-        if not self._direct:
+        if self._whole[l]:
+            add_rows(self._whole_rows(l, 1), block.src_ids, g)
+        elif not self._direct:
             add_rows(gbuf, self.plan.slots(q), g)
         elif block.num_src == g.shape[0] == self.buf.grad[l].shape[0]:
             self.buf.grad[l].add_(g)
         else:
             self.buf.grad[l].index_add_(0, block.src_ids, g)
+
+    def _fetch_rows(self, l: int, i: int, s: int, first: bool, tbuf: Tensor):
+        """The rows of ``h^l`` item ``i`` brings: a whole layer's all at the first
+        item; otherwise the step's new neighbour rows at its first chunk."""
+        if self._direct:
+            return None
+        if self._whole[l]:
+            return self.mover.fetch_all(self.buf.h[l], self._whole_rows(l)) if i == 0 else None
+        if not first:
+            return None
+        return self.mover.fetch_rows(self.buf.h[l], *self.plan.load(s), tbuf, direct=s == 0)
 
     def _seed(self, epoch: int, l: int) -> int:
         return layer_seed(self.seed, epoch, l)
@@ -294,8 +334,7 @@ class Executor:
             def fetch(i, l=l, layer=layer, tbuf=tbuf):
                 s, _, c, first, _ = plan.items[i]
                 v0, v1 = self.chunks.range(c)
-                rows = mv.fetch_rows(buf.h[l], *plan.load(s), tbuf, direct=s == 0) \
-                    if first and not self._direct else None
+                rows = self._fetch_rows(l, i, s, first, tbuf)
                 dst = mv.fetch_range(buf.h[l], v0, v1, "dst") if layer.needs_dst else None
                 return rows, dst, self._fetch_block(c, transpose=layer.reads_transpose)
 
@@ -432,10 +471,15 @@ class Executor:
             # zeroed. Own-row gradients (layers that read their destinations'
             # rows) count when the plan was ordered for them; otherwise ∇h^l
             # starts at zero and everything is added.
-            write = (need_in and not self._direct and mv.can_write(buf.grad[l])
+            # A whole layer's gradients add up on the device and go to host at
+            # the end of the pass, written over what it held.
+            whole = self._whole[l]
+            write = (need_in and not self._direct and not whole and mv.can_write(buf.grad[l])
                      and (self._own_rows or not layer.needs_dst))
             if write:
                 buf.grad[l][torch.from_numpy(plan.unwritten)] = 0
+            elif need_in and whole:
+                self._whole_rows(l, 1).zero_()
             elif need_in:
                 buf.grad[l].zero_()
 
@@ -446,9 +490,7 @@ class Executor:
             def fetch(i, l=l, layer=layer, tbuf=tbuf, no_graph=no_graph):
                 s, _, c, first, _ = plan.items[i]
                 v0, v1 = self.chunks.range(c)
-                rows = None
-                if first and not self.cached[l] and not self._direct:
-                    rows = mv.fetch_rows(buf.h[l], *plan.load(s), tbuf, direct=s == 0)
+                rows = None if self.cached[l] else self._fetch_rows(l, i, s, first, tbuf)
                 g_out = mv.fetch_range(buf.grad[l + 1], v0, v1, "grad")
                 dst = mv.fetch_range(buf.h[l], v0, v1, "dst") if layer.needs_dst else None
                 agg = mv.fetch_range(buf.agg[l], v0, v1, "aux") if self.cached[l] else None
@@ -462,14 +504,14 @@ class Executor:
                 if rows is not None:
                     mv.place(rows)
                     self._exchange(s, tbuf)
-                if first and need_in and not self._direct:
+                if first and need_in and not self._direct and not self._whole[l]:
                     gbuf.index_fill_(0, plan.load(s)[1], 0)  # rows entering: no gradient
                     gbuf[plan.plan.num_slots:].zero_()  # and so does the receive area
                 fetch_next()
                 self._backward_chunk(l, layer, q, c, fetched, tbuf, gbuf, need_in, seed, nxt)
                 if progress is not None:
                     progress(1)
-                if last and need_in and not self._direct:
+                if last and need_in and not self._direct and not self._whole[l]:
                     self._exchange_back(s, gbuf)
                     if write:
                         _, slots, ids_dev = plan.flush(s, first=True)
@@ -480,6 +522,9 @@ class Executor:
                     mv.flush_rows(buf.grad[l], ids, slots, gbuf, ids_dev=ids_dev)
 
             self._run_pass(fetch, run)
+            if need_in and self._whole[l]:
+                mv.store_range(buf.grad[l], 0, self._whole_rows(l, 1))
+                mv.join()  # the next pass reuses that memory
             mv.drain()  # ∇h^l complete in host memory before layer l-1 reads it
         if self.comm is not None:
             self.comm.all_reduce_grads(self.model.parameters())
@@ -507,7 +552,10 @@ class Executor:
             if g_src is not None:
                 self._add_sources(l, q, block, gbuf, g_src)
         if need_in and x_dst is not None and x_dst.grad is not None:
-            mv.add_range(buf.grad[l], v0, x_dst.grad)
+            if self._whole[l]:
+                self._whole_rows(l, 1)[v0:v0 + x_dst.shape[0]].add_(x_dst.grad)
+            else:
+                mv.add_range(buf.grad[l], v0, x_dst.grad)
 
     def step(self, epoch: int, progress=None) -> StepResult:
         """Forward + loss + backward: leaves the full-graph gradients in the parameters."""

@@ -364,6 +364,15 @@ class Mover:
             out.copy_(host[start:stop], non_blocking=True)
         return Ticket(out, self._ready_event(self.s_in))
 
+    def fetch_all(self, host: Tensor, out: Tensor) -> Ticket:
+        """Start copying all of ``host`` into ``out`` on the device (one DMA);
+        :meth:`place` waits for it."""
+        rows, width = int(host.shape[0]), int(host.shape[1])
+        self._count(host, "h2d", rows, width)
+        with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
+            out.copy_(host, non_blocking=True)
+        return Ticket(None, self._ready_event(self.s_in))
+
     def fetch_block(self, block, transpose: bool = True) -> Ticket:
         """Start copying a chunk's :class:`~hongtu.nn.block.Block` (pinned) to the device.
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hongtu.engine import BufferPlan, ChunkSet, Executor, HostBuffers
+from hongtu.engine import executor as executor_module
 from hongtu.nn import GNN, build_block, layer_seed, resolve_layer
 from hongtu.nn.block import Block
 from hongtu.nn.model import reference_loss
@@ -154,11 +155,18 @@ def test_dedup_switches_do_not_change_the_step(flags, layer, parts):
     assert_matches(model, res.loss, ref_loss, ref_grads)
 
 
+def no_whole_layers(monkeypatch):
+    """Every layer's pass moves the plan's neighbour rows (none moves all its rows)."""
+    monkeypatch.setattr(executor_module, "whole_layers", lambda _n, widths, *a: [False] * len(
+        widths[:-1]))
+
+
 @pytest.mark.parametrize("flags", DEDUP, ids=lambda f: "-".join(k for k, v in f.items() if v)
                          or "baseline")
 @pytest.mark.parametrize("checkpoint", ["auto", "recompute"])
-def test_counted_rows_equal_the_plan(flags, checkpoint):
+def test_counted_rows_equal_the_plan(flags, checkpoint, monkeypatch):
     """Rows the engine moves each way equal the planner's volumes."""
+    no_whole_layers(monkeypatch)
     graph = CASES["skewed"](seed=5)
     model = make_model("sage")
     _, _, ex = chunked_step(model, graph, 2, 4, checkpoint, **flags)
@@ -182,11 +190,37 @@ def test_counted_rows_equal_the_plan(flags, checkpoint):
     assert t.d2h_rows == (L - 1) * plan.d2h_rows + (L - 1) * n + stores
 
 
+@pytest.mark.parametrize("layer", ["gcn", "sage", "gat"])
+@pytest.mark.parametrize("checkpoint", ["auto", "recompute"])
+def test_whole_layers_move_all_rows_once(layer, checkpoint, monkeypatch):
+    """A layer whose rows fit the transition buffer's memory moves all of them in
+    one copy (and its gradients back in one) instead of the plan's neighbour
+    rows and flushes: the same step, the counted rows follow."""
+    graph = CASES["skewed"](seed=5)
+    model = make_model(layer)
+    res, g, ex = chunked_step(model, graph, 1, 6, checkpoint)
+    assert ex._whole == [True, True]  # (a small graph: its rows fit)
+    ref_loss, ref_grads = reference_step(model, g)
+    assert_matches(model, res.loss, ref_loss, ref_grads)
+    no_whole_layers(monkeypatch)
+    _, _, plain = chunked_step(make_model(layer), graph, 1, 6, checkpoint)
+    assert plain._whole == [False, False]
+    n, L, rows = g.num_nodes, model.num_layers, plain.transfer_plan.h2d_rows
+    assert rows > n  # (the plan would move more)
+    passes = L + (0 if checkpoint == "auto" and layer != "gat" else L)
+    t, p = ex.mover.traffic, plain.mover.traffic
+    assert p.h2d_rows - t.h2d_rows == passes * (rows - n)
+    # ∇h^1: one whole write instead of the flushes and the own-row adds
+    own = n if model.layers[1].needs_dst else 0
+    assert p.d2h_rows - t.d2h_rows == plain.transfer_plan.d2h_rows + own - n
+
+
 @pytest.mark.parametrize("layer", LAYERS)
 @pytest.mark.parametrize("parts", [1, 3])
-def test_rows_kept_across_batches_do_not_change_the_step(layer, parts):
+def test_rows_kept_across_batches_do_not_change_the_step(layer, parts, monkeypatch):
     """Rows kept through the batches that do not read them (spare memory) are
     loaded once, and their gradients flushed once, with the same step."""
+    no_whole_layers(monkeypatch)
     graph = CASES["skewed"](seed=6)
     model = make_model(layer)
     _, _, plain = chunked_step(copy.deepcopy(model), graph, parts, 6, "recompute")
@@ -201,8 +235,9 @@ def test_rows_kept_across_batches_do_not_change_the_step(layer, parts):
     assert_matches(model, res.loss, ref_loss, ref_grads)
 
 
-def test_cached_and_recompute_paths_move_different_rows():
+def test_cached_and_recompute_paths_move_different_rows(monkeypatch):
     """The hybrid reloads aggregates instead of neighbour rows in backward."""
+    no_whole_layers(monkeypatch)
     graph = CASES["halo_heavy"](seed=0)
     model = make_model("gcn")
     _, _, ex_auto = chunked_step(copy.deepcopy(model), graph, 1, 4, "auto")
@@ -254,6 +289,7 @@ def test_resident_arithmetic_on_cpu(layer, chunks, monkeypatch):
     def resident_init(self, *a, **kw):
         orig(self, *a, **kw)
         self._direct = self.resident = True
+        self._whole = [False] * len(self._whole)  # (as a resident executor has it)
 
     monkeypatch.setattr(Executor, "__init__", resident_init)
     graph = CASES["skewed"](seed=6)
