@@ -17,8 +17,9 @@ device, HongTu-IM), ``pyg`` (PyG in memory: GCNConv on a torch CSR adjacency,
 GATConv on edge_index, or OOM); ``serial`` (hongtu without overlap),
 ``nocache`` (hongtu without kept rows), ``recompute`` (hongtu without
 cached aggregates, ``engine.checkpoint=recompute``) and ``aggfirst`` (hongtu
-aggregating before every weight, ``engine.transform_first=false``) isolate one
-feature each. ``NAME@N``
+aggregating before every weight, ``engine.transform_first=false``) and
+``nowhole`` (hongtu moving the plan's rows for every layer,
+``engine.whole_layers=false``) isolate one feature each. ``NAME@N``
 runs a hongtu system with ``engine.chunks=N`` (same budget) instead of the
 fewest chunks that fit.
 
@@ -91,6 +92,9 @@ SYSTEMS = {
     # hongtu moving h^l rows to every layer (no weight applied before the aggregation)
     "aggfirst": {"dedup": {"reuse": True, "p2p": True}, "reorg": True, "resident": False,
                  "transform_first": False},
+    # hongtu moving the plan's neighbour rows for every layer (none whole)
+    "nowhole": {"dedup": {"reuse": True, "p2p": True}, "reorg": True, "resident": False,
+                "whole_layers": False},
 }
 
 
@@ -359,7 +363,8 @@ def main() -> int:
                 "budget_bytes": budget, "runs": runs}
         ok = {k: v for k, v in runs.items() if v.get("status") == "ok"}
         for a, b in (("baseline", "hongtu"), ("baseline@32", "hongtu@32"), ("serial", "hongtu"),
-                     ("nocache", "hongtu"), ("nocache@32", "hongtu@32"), ("aggfirst", "hongtu")):
+                     ("nocache", "hongtu"), ("nocache@32", "hongtu@32"), ("aggfirst", "hongtu"),
+                     ("nowhole", "hongtu")):
             if a in ok and b in ok:
                 info[f"{a}_over_{b}"] = ok[a]["median_epoch_s"] / ok[b]["median_epoch_s"]
         if "resident" in ok and "pyg" in ok:

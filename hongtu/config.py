@@ -186,6 +186,9 @@ class EngineConfig:
     dedup: DedupConfig = _f(DedupConfig(), "deduplicated transfers")
     reorg: bool = _f(True, "reorganise chunks into batches to share neighbours (HongTu Alg. 4)")
     overlap: bool = _f(True, "GPU: move the next batch's rows while the current one computes")
+    whole_layers: bool = _f(
+        True, "a layer whose rows fit the transition buffer moves all of them in one copy per "
+        "pass (one process)")
     resident: Auto | bool = _f(
         "auto", "keep every buffer on the GPU (HongTu-IM); auto = when it fits device_memory")
     throughput: ThroughputConfig = _f(ThroughputConfig(), "link throughputs for the cost model")

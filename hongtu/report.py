@@ -95,7 +95,7 @@ def _traffic(widths, cached, needs_dst, itemsize: int, num_nodes: int, h2d_rows:
     """Bytes of one training step (forward, loss, backward) as the executor moves them.
 
     ``whole[l]``: layer ``l``'s passes move all its rows (and gradients) at once
-    instead of the plan's rows (:func:`~hongtu.engine.executor.whole_layers`).
+    instead of the plan's rows (:func:`~hongtu.engine.executor.layers_moved_whole`).
     """
     n = num_nodes
     layers = []
@@ -266,7 +266,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         parts_list: part counts of the α table (default :data:`PARTS_LIST`).
         chunks_list: chunk counts to compare (default ``n`` and its neighbours).
     """
-    from hongtu.engine.executor import whole_layers
+    from hongtu.engine.executor import layers_moved_whole
     from hongtu.engine.trainer import load_data
     from hongtu.nn.model import build_model
 
@@ -309,8 +309,9 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
 
     def traffic_of(plan: TransferPlan) -> dict:
         first = plan.plans[0]
-        whole = whole_layers(graph.num_nodes, widths, first.buffer_rows,
-                             int(first.load_ids.shape[0]), e.devices > 1)
+        whole = layers_moved_whole(graph.num_nodes, widths, first.buffer_rows,
+                             int(first.load_ids.shape[0]), e.devices > 1) \
+            if e.whole_layers else None
         return _traffic(widths, cached, needs_dst, itemsize, graph.num_nodes, plan.h2d_rows,
                         plan.d2h_rows, whole)
 

@@ -16,7 +16,7 @@ from hongtu.calibrate import resolve_throughput
 from hongtu.config import load_config
 from hongtu.dedup import TransferPlan, plan_transfers
 from hongtu.dedup.sets import identity_order
-from hongtu.engine.executor import whole_layers
+from hongtu.engine.executor import layers_moved_whole
 from hongtu.engine.trainer import Trainer, load_data
 from hongtu.errors import UserError
 from hongtu.partition import partition_graph, partition_stats
@@ -88,9 +88,9 @@ def test_json_volumes_equal_the_planner(capsys, tmp_path, report_json):
     cands = d["volumes"]["candidates"]
     assert cands[d["volumes"]["with_reorg"]]["cost_s"] <= cands["identity"]["cost_s"]
     # per-layer bytes are rows x width x 4: the plan's rows, or all of them for a
-    # layer whose rows fit the transition buffer's memory (whole_layers)
+    # layer whose rows fit the transition buffer's memory (layers_moved_whole)
     dp = chosen.plans[0]
-    whole = whole_layers(n, d["model"]["widths"], dp.buffer_rows, dp.load_ids.shape[0], False)
+    whole = layers_moved_whole(n, d["model"]["widths"], dp.buffer_rows, dp.load_ids.shape[0], False)
     for layer, all_rows in zip(d["transfers"]["layers"], whole):
         assert layer["whole"] == all_rows
         rows = n if all_rows else chosen.h2d_rows

@@ -88,7 +88,7 @@ def _first_flushes_first(ids, ptr, seen, own_step, written, order, split):
             seen[ids[t]] = True
 
 
-def whole_layers(num_rows: int, widths: list[int], buffer_rows: int, load_rows: int,
+def layers_moved_whole(num_rows: int, widths: list[int], buffer_rows: int, load_rows: int,
                  exchange: bool) -> list[bool]:
     """Which layers' passes move all of ``h^l`` (and ``∇h^l``) in one contiguous
     copy each instead of the plan's neighbour rows.
@@ -200,13 +200,16 @@ class Executor:
             by it); default ``masks["train"].sum()``.
         overlap: on a GPU, move the next batch's rows while the current one
             computes (:class:`~hongtu.engine.transfer.Mover`).
+        whole_layers: a layer whose rows fit the transition buffer's memory
+            moves all of them per pass (:func:`layers_moved_whole`); ``False`` = every
+            layer moves the plan's neighbour rows.
     """
 
     def __init__(self, model: GNN, chunks: ChunkSet, buffers: HostBuffers, labels: Tensor,
                  masks: dict[str, Tensor], device: torch.device, plan: DevicePlan,
                  checkpoint: str = "auto", seed: int = 0, resident_blocks: bool = True,
                  comm: Comm | None = None, num_train: int | None = None,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, whole_layers: bool = True) -> None:
         self.model = model
         self.chunks = chunks
         self.buf = buffers
@@ -237,8 +240,9 @@ class Executor:
         rows = 1 if self._direct else max(plan.buffer_rows, 1)
         self._rowmem = torch.empty(2 * rows * max(widths), dtype=self.dtype, device=device)
         self._tbuf, self._gbuf = self._rowmem.chunk(2)
-        self._whole = [False] * len(widths) if self._direct else whole_layers(
-            buffers.h[0].shape[0], widths, rows, int(plan.load_ids.shape[0]), comm is not None)
+        self._whole = layers_moved_whole(buffers.h[0].shape[0], widths, rows,
+                                         int(plan.load_ids.shape[0]), comm is not None) \
+            if whole_layers and not self._direct else [False] * (len(widths) - 1)
         self.labels = labels.to(device)
         self.masks = {k: m.to(device) for k, m in masks.items()}
         self.num_train = max(int(masks["train"].sum()) if num_train is None else num_train, 1)

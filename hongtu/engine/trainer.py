@@ -240,7 +240,7 @@ class Trainer:
             torch.from_numpy(np.asarray(g.y[a:b], dtype=np.int64)), masks, self.device,
             self.transfer_plan.plans[rank], e.checkpoint, cfg.train.seed,
             resident_blocks=self.blocks_fit, comm=self.comm, num_train=int(np.sum(g.train_mask)),
-            overlap=e.overlap)
+            overlap=e.overlap, whole_layers=e.whole_layers)
         split["executor_s"] = time.perf_counter() - t
         self.optimizer = self._optimizer()
         self.preprocess_s = time.perf_counter() - t0

@@ -53,13 +53,12 @@ def test_no_chunk_count_fits_is_a_clear_error():
         choose_chunks(graph, np.zeros(graph.num_nodes, dtype=np.int64), 1, model, 1000)
 
 
-def test_spare_budget_keeps_reused_rows_with_the_same_losses(tmp_path, monkeypatch):
-    from tests.engine.test_oracle import no_whole_layers
+def test_spare_budget_keeps_reused_rows_with_the_same_losses(tmp_path):
     from tests.engine.test_resident import trainer
 
-    no_whole_layers(monkeypatch)  # (a layer moving all its rows needs no kept rows)
-
-    common = ("engine.accelerator=cpu", "engine.chunks=8", "engine.device_memory=1GiB")
+    # (a layer moving all its rows needs no kept rows)
+    common = ("engine.accelerator=cpu", "engine.chunks=8", "engine.device_memory=1GiB",
+              "engine.whole_layers=false")
     plain = trainer(tmp_path / "a", *common, "engine.dedup.cache=false")
     kept = trainer(tmp_path / "b", *common)
     assert plain.transfer_plan.cached_rows == 0 < kept.transfer_plan.cached_rows

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from hongtu.engine import BufferPlan, ChunkSet, Executor, HostBuffers
-from hongtu.engine import executor as executor_module
 from hongtu.nn import GNN, build_block, layer_seed, resolve_layer
 from hongtu.nn.block import Block
 from hongtu.nn.model import reference_loss
@@ -47,9 +46,11 @@ def masks_of(g):
 def chunked_step(model: GNN, graph, parts: int, chunks: int, checkpoint: str, epoch: int = 3,
                  assignment=None, device: str = "cpu", reuse: bool = True, p2p: bool = True,
                  reorg: bool = True, overlap: bool = True, resident: bool = False,
-                 cache_rows: int = 0, resident_blocks: bool = True):
+                 cache_rows: int = 0, resident_blocks: bool = True, whole: bool = False):
     """One executor step on ``graph`` split into ``parts`` x ``chunks`` on ``device``
-    (``cache_rows``: spare slots for rows kept across batches)."""
+    (``cache_rows``: spare slots for rows kept across batches; ``whole``: layers
+    whose rows fit the transition buffer move them all at once, which on these
+    small graphs is every layer, so the plan's row paths are tested without it)."""
     if assignment is None:
         assignment = np.arange(graph.num_nodes) % parts
     p = chunk_partition(graph, assignment, chunks, num_parts=parts)
@@ -64,7 +65,7 @@ def chunked_step(model: GNN, graph, parts: int, chunks: int, checkpoint: str, ep
                            p2p=p2p, reorg=reorg, cache_rows=lambda _: cache_rows)
     ex = Executor(model, cs, buf, torch.from_numpy(g.y), masks_of(g), dev, plan.plans[0],
                   checkpoint=checkpoint, seed=0, overlap=overlap,
-                  resident_blocks=resident_blocks)
+                  resident_blocks=resident_blocks, whole_layers=whole)
     ex.transfer_plan = plan
     res = ex.step(epoch)
     return res, g, ex
@@ -106,19 +107,38 @@ def test_step_equals_full_graph(case, layer, chunks, checkpoint):
     assert_matches(model, res.loss, ref_loss, ref_grads)
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["plan-rows", "whole"])
 @pytest.mark.parametrize("layer", LAYERS)
-def test_several_parts_on_one_device(layer):
+def test_several_parts_on_one_device(layer, whole):
     graph = CASES["skewed"](seed=2)
     model = make_model(layer)
-    res, g, _ = chunked_step(model, graph, 3, 2, "auto")
+    res, g, ex = chunked_step(model, graph, 3, 2, "auto", whole=whole)
+    assert ex._whole == [whole] * model.num_layers
+    ref_loss, ref_grads = reference_step(model, g)
+    assert_matches(model, res.loss, ref_loss, ref_grads)
+
+
+# (in the others the plan loads fewer rows than the graph has: no layer moves all)
+@pytest.mark.parametrize("case", sorted(set(CASES) - {"isolated", "self_loops"}))
+@pytest.mark.parametrize("layer", LAYERS)
+@pytest.mark.parametrize("checkpoint", ["auto", "recompute"])
+def test_whole_layer_passes_equal_full_graph(case, layer, checkpoint):
+    """Every layer moving all its rows per pass (they fit the transition buffer
+    here) is the same step as plain full-graph training."""
+    graph = CASES[case](seed=1)
+    model = make_model(layer)
+    res, g, ex = chunked_step(model, graph, 1, 3, checkpoint, whole=True)
+    assert ex._whole == [True] * model.num_layers
     ref_loss, ref_grads = reference_step(model, g)
     assert_matches(model, res.loss, ref_loss, ref_grads)
 
 
 @pytest.mark.parametrize("transform_first", [True, False])
-@pytest.mark.parametrize("parts,chunks", [(1, 1), (1, 5), (2, 3)])
+@pytest.mark.parametrize("parts,chunks,whole", [(1, 1, False), (1, 5, False), (2, 3, False),
+                                                (1, 5, True)])
 @pytest.mark.parametrize("checkpoint", ["auto", "recompute"])
-def test_transform_first_equals_plain_training(transform_first, parts, chunks, checkpoint):
+def test_transform_first_equals_plain_training(transform_first, parts, chunks, whole,
+                                               checkpoint):
     """Three GCN layers 6 -> 16 -> 8 -> 3: with transform_first the last two keep
     z^l = W_l drop(h^l) (8 and 3 wide) instead of h^l (16 and 8), and the step
     is still plain training's; fewer bytes cross the link."""
@@ -131,10 +151,10 @@ def test_transform_first_equals_plain_training(transform_first, parts, chunks, c
                                   else [NUM_FEATURES, 16, 8, 3])
     other = copy.deepcopy(model)
     other.transform_first = not transform_first
-    res, g, ex = chunked_step(model, graph, parts, chunks, checkpoint)
+    res, g, ex = chunked_step(model, graph, parts, chunks, checkpoint, whole=whole)
     ref_loss, ref_grads = reference_step(model, g)
     assert_matches(model, res.loss, ref_loss, ref_grads)
-    _, _, ex_other = chunked_step(other, graph, parts, chunks, checkpoint)
+    _, _, ex_other = chunked_step(other, graph, parts, chunks, checkpoint, whole=whole)
     narrow, wide = (ex, ex_other) if transform_first else (ex_other, ex)
     assert narrow.mover.traffic.h2d_bytes < wide.mover.traffic.h2d_bytes
 
@@ -155,18 +175,11 @@ def test_dedup_switches_do_not_change_the_step(flags, layer, parts):
     assert_matches(model, res.loss, ref_loss, ref_grads)
 
 
-def no_whole_layers(monkeypatch):
-    """Every layer's pass moves the plan's neighbour rows (none moves all its rows)."""
-    monkeypatch.setattr(executor_module, "whole_layers", lambda _n, widths, *a: [False] * len(
-        widths[:-1]))
-
-
 @pytest.mark.parametrize("flags", DEDUP, ids=lambda f: "-".join(k for k, v in f.items() if v)
                          or "baseline")
 @pytest.mark.parametrize("checkpoint", ["auto", "recompute"])
-def test_counted_rows_equal_the_plan(flags, checkpoint, monkeypatch):
+def test_counted_rows_equal_the_plan(flags, checkpoint):
     """Rows the engine moves each way equal the planner's volumes."""
-    no_whole_layers(monkeypatch)
     graph = CASES["skewed"](seed=5)
     model = make_model("sage")
     _, _, ex = chunked_step(model, graph, 2, 4, checkpoint, **flags)
@@ -192,17 +205,16 @@ def test_counted_rows_equal_the_plan(flags, checkpoint, monkeypatch):
 
 @pytest.mark.parametrize("layer", ["gcn", "sage", "gat"])
 @pytest.mark.parametrize("checkpoint", ["auto", "recompute"])
-def test_whole_layers_move_all_rows_once(layer, checkpoint, monkeypatch):
+def test_whole_layers_move_all_rows_once(layer, checkpoint):
     """A layer whose rows fit the transition buffer's memory moves all of them in
     one copy (and its gradients back in one) instead of the plan's neighbour
     rows and flushes: the same step, the counted rows follow."""
     graph = CASES["skewed"](seed=5)
     model = make_model(layer)
-    res, g, ex = chunked_step(model, graph, 1, 6, checkpoint)
+    res, g, ex = chunked_step(model, graph, 1, 6, checkpoint, whole=True)
     assert ex._whole == [True, True]  # (a small graph: its rows fit)
     ref_loss, ref_grads = reference_step(model, g)
     assert_matches(model, res.loss, ref_loss, ref_grads)
-    no_whole_layers(monkeypatch)
     _, _, plain = chunked_step(make_model(layer), graph, 1, 6, checkpoint)
     assert plain._whole == [False, False]
     n, L, rows = g.num_nodes, model.num_layers, plain.transfer_plan.h2d_rows
@@ -217,10 +229,9 @@ def test_whole_layers_move_all_rows_once(layer, checkpoint, monkeypatch):
 
 @pytest.mark.parametrize("layer", LAYERS)
 @pytest.mark.parametrize("parts", [1, 3])
-def test_rows_kept_across_batches_do_not_change_the_step(layer, parts, monkeypatch):
+def test_rows_kept_across_batches_do_not_change_the_step(layer, parts):
     """Rows kept through the batches that do not read them (spare memory) are
     loaded once, and their gradients flushed once, with the same step."""
-    no_whole_layers(monkeypatch)
     graph = CASES["skewed"](seed=6)
     model = make_model(layer)
     _, _, plain = chunked_step(copy.deepcopy(model), graph, parts, 6, "recompute")
@@ -235,9 +246,8 @@ def test_rows_kept_across_batches_do_not_change_the_step(layer, parts, monkeypat
     assert_matches(model, res.loss, ref_loss, ref_grads)
 
 
-def test_cached_and_recompute_paths_move_different_rows(monkeypatch):
+def test_cached_and_recompute_paths_move_different_rows():
     """The hybrid reloads aggregates instead of neighbour rows in backward."""
-    no_whole_layers(monkeypatch)
     graph = CASES["halo_heavy"](seed=0)
     model = make_model("gcn")
     _, _, ex_auto = chunked_step(copy.deepcopy(model), graph, 1, 4, "auto")
@@ -303,28 +313,32 @@ def test_resident_arithmetic_on_cpu(layer, chunks, monkeypatch):
 @pytest.mark.parametrize("layer", LAYERS)
 @pytest.mark.parametrize("checkpoint", ["auto", "recompute"])
 @pytest.mark.parametrize("mode", ["overlap", "serial", "kept", "copied-blocks", "resident",
-                                  "resident-1"])
+                                  "resident-1", "whole", "whole-serial"])
 def test_cuda_step_equals_full_graph(layer, checkpoint, mode):
     """The GPU paths are exact too: pinned buffers with zero-copy gathers and staged
     flushes, with transfers one batch ahead on their own streams or in program
     order, with rows kept across batches, with chunk blocks copied batch by batch
-    (int32 on the host), and with every buffer resident on the device."""
+    (int32 on the host), with every buffer resident on the device, and with
+    every layer's rows moved whole (one copy each way per pass)."""
     graph = CASES["skewed"](seed=3)
     model = make_model(layer)
-    parts, chunks = {"resident-1": (1, 1), "kept": (2, 6)}.get(mode, (2, 3))
+    parts, chunks = {"resident-1": (1, 1), "kept": (2, 6), "whole": (2, 6)}.get(mode, (2, 3))
     kept = 4 if mode == "kept" else 0
+    whole, serial = mode.startswith("whole"), mode.endswith("serial")
     _, _, on_cpu = chunked_step(copy.deepcopy(model), graph, parts, chunks, checkpoint,
-                                cache_rows=kept)
+                                cache_rows=kept, whole=whole)
     res, g, ex = chunked_step(model, graph, parts, chunks, checkpoint, device="cuda",
-                              overlap=mode != "serial", resident=mode.startswith("resident"),
-                              cache_rows=kept, resident_blocks=mode != "copied-blocks")
+                              overlap=not serial, resident=mode.startswith("resident"),
+                              cache_rows=kept, resident_blocks=mode != "copied-blocks",
+                              whole=whole)
+    assert ex._whole == [whole] * model.num_layers
     assert (ex.transfer_plan.cached_rows > 0) == (mode == "kept")
     assert ex._copy_blocks == (mode == "copied-blocks")
     moved, expect = ex.mover.traffic, on_cpu.mover.traffic
     if mode.startswith("resident"):
         assert ex.resident and moved.h2d_bytes == moved.d2h_bytes == 0
     else:
-        assert ex.buf.pinned and ex.mover.overlap == (mode != "serial")
+        assert ex.buf.pinned and ex.mover.overlap == (not serial)
         assert (moved.h2d_rows, moved.d2h_rows) == (expect.h2d_rows, expect.d2h_rows)
     if mode == "copied-blocks":
         # Blocks travel for every pass but the first layer's backward when that
