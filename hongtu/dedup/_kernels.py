@@ -14,7 +14,7 @@ import numba
 
 from hongtu.graph._kernels import parallel_kernel
 
-__all__ = ["merge_sorted", "intersect_counts",
+__all__ = ["merge_sorted", "intersect_counts", "kept_flags",
            "assign_slots", "lookup_slots", "gather_segments"]
 
 
@@ -73,9 +73,33 @@ def intersect_counts(a_vals, a_start, a_stop, b_vals, b_start, b_stop, out):
         out[p] = c
 
 
+#: :func:`kept_flags`: a kept row's read after its first (it is resident already)
+KEPT_BEFORE = 1
+#: :func:`kept_flags`: a kept row's read before its last (it stays resident after)
+KEPT_AFTER = 2
+
+
 @parallel_kernel
-def assign_slots(vals, start, stop, reuse, occ, slot_of, res_slots, load_pos, load_ptr,
-                 load_ids, load_slots, flush_ptr, flush_ids, flush_slots):
+def kept_flags(vals, start, stop, first, last, flags):
+    """``flags`` (aligned with ``vals``) of the reads of kept rows, step ``s`` =
+    ``vals[start[s]:stop[s]]``: :data:`KEPT_BEFORE` when the row's ``first``
+    read is before ``s``, :data:`KEPT_AFTER` when its ``last`` is after
+    (``first``/``last`` per id, ``-1`` for rows not kept)."""
+    for s in numba.prange(start.shape[0]):
+        for t in range(start[s], stop[s]):
+            u = vals[t]
+            f = 0
+            if first[u] >= 0:
+                if first[u] < s:
+                    f |= KEPT_BEFORE
+                if last[u] > s:
+                    f |= KEPT_AFTER
+            flags[t] = f
+
+
+@parallel_kernel
+def assign_slots(vals, start, stop, reuse, kept_flags, occ, slot_of, res_slots, load_pos,
+                 load_ptr, load_ids, load_slots, flush_ptr, flush_ids, flush_slots):
     """Walk one device's resident sets step by step and give every row a slot.
 
     Step ``s`` keeps ``R_s = vals[start[s]:stop[s]]`` resident. Before it,
@@ -86,52 +110,73 @@ def assign_slots(vals, start, stop, reuse, occ, slot_of, res_slots, load_pos, lo
     row is flushed. ``res_slots`` (aligned with ``vals``) gets every row's
     slot at every step.
 
+    Rows kept through their gaps (only with ``reuse``) are resident from the
+    first step that reads them to the last, whether or not the steps between
+    hold them: they enter only at the first and leave only after the last.
+    ``kept_flags`` (aligned with ``vals``, :func:`kept_flags`; empty: no
+    kept rows) marks their reads after the first (:data:`KEPT_BEFORE`) and
+    before the last (:data:`KEPT_AFTER`). That is the walk over the sets
+    extended by the kept rows passing through, without the extended sets.
+
     Only the placement is sequential, and it visits loads and flushes alone:
 
     1. in parallel over steps, one merge of ``R_{s-1}`` and ``R_s`` marks
        each row of ``R_s`` in ``res_slots``: ``-2 - i`` when it stays from
-       position ``i`` of ``R_{s-1}``, ``-1`` when it enters; the counts give
-       ``load_ptr`` and ``flush_ptr``;
+       position ``i`` of ``R_{s-1}``, ``-1`` when it enters (or a kept row
+       comes back); the counts give ``load_ptr`` and ``flush_ptr``;
     2. in parallel over steps, the loaded and flushed ids are listed (a row
-       of ``R_s`` leaves when no mark of ``R_{s+1}`` names it);
+       of ``R_s`` leaves when no mark of ``R_{s+1}`` names it and it is not
+       kept past ``s``);
     3. step by step, flushed rows free the slot they were loaded into
        (``slot_of``, per id) and loaded rows take the lowest free slots;
     4. loaded rows' slots go to ``res_slots``, then, step by step in
-       parallel, staying rows copy theirs from ``R_{s-1}``.
+       parallel, staying rows copy theirs from ``R_{s-1}`` and kept rows
+       coming back read their one slot from ``slot_of``.
 
     Segments of different steps must not overlap; positions in ``vals``
-    must fit ``res_slots``' dtype. ``occ`` (``num_slots``) is scratch and is
-    left clean; ``slot_of`` (``|V|``) and ``load_pos`` are scratch.
+    must fit ``res_slots``' dtype. ``occ`` (one more than the most rows
+    resident at a step, kept ones included) is scratch and is left clean;
+    ``slot_of`` (``|V|``) and ``load_pos`` are scratch.
 
-    Lowest-free placement keeps every slot below ``max_s |R_s|``: the new
-    rows of step ``s`` fill the gaps below ``|R_s|`` left by the kept rows.
+    Lowest-free placement keeps every slot below the most rows resident at
+    a step: the new rows of step ``s`` fill the gaps left by the kept rows.
     """
     num_steps = start.shape[0]
     load_ptr[0] = 0
     flush_ptr[0] = 0
     if num_steps == 0:
         return 0, 0
+    kept = kept_flags.shape[0] > 0
     for s in numba.prange(num_steps):  # 1. (counts first, cumulated below)
         a, b = start[s], stop[s]
         for t in range(a, b):
             res_slots[t] = -1
         same = 0
+        held = 0  # rows of R_{s-1} kept past it, not in R_s
+        back = 0  # kept rows of R_s that came in before (not loads)
         if s > 0:
             i, i1 = start[s - 1], stop[s - 1]
             j = a
-            while reuse and i < i1 and j < b:
-                x, y = vals[i], vals[j]
-                if x < y:
+            while reuse and (i < i1 or j < b):
+                if j == b or (i < i1 and vals[i] < vals[j]):
+                    if not kept and j == b:
+                        break  # (without kept rows only the matches count)
+                    if kept and kept_flags[i] & KEPT_AFTER:
+                        held += 1
                     i += 1
-                elif y < x:
+                elif i == i1 or vals[j] < vals[i]:
+                    if not kept and i == i1:
+                        break
+                    if kept and kept_flags[j] & KEPT_BEFORE:
+                        back += 1
                     j += 1
                 else:
                     res_slots[j] = -2 - i
                     same += 1
                     i += 1
                     j += 1
-            flush_ptr[s] = stop[s - 1] - start[s - 1] - same
-        load_ptr[s + 1] = b - a - same
+            flush_ptr[s] = stop[s - 1] - start[s - 1] - same - held
+        load_ptr[s + 1] = b - a - same - back
     flush_ptr[num_steps] = stop[num_steps - 1] - start[num_steps - 1]
     for s in range(num_steps):
         load_ptr[s + 1] += load_ptr[s]
@@ -139,7 +184,7 @@ def assign_slots(vals, start, stop, reuse, occ, slot_of, res_slots, load_pos, lo
     for s in numba.prange(num_steps):  # 2.
         q = load_ptr[s]
         for t in range(start[s], stop[s]):
-            if res_slots[t] == -1:
+            if res_slots[t] == -1 and not (kept and kept_flags[t] & KEPT_BEFORE):
                 load_ids[q] = vals[t]
                 load_pos[q] = t
                 q += 1
@@ -150,7 +195,7 @@ def assign_slots(vals, start, stop, reuse, occ, slot_of, res_slots, load_pos, lo
                 j += 1
             if j < j1 and res_slots[j] == -2 - t:
                 j += 1
-            else:
+            elif not (kept and kept_flags[t] & KEPT_AFTER):
                 flush_ids[f] = vals[t]
                 f += 1
     for s in range(num_steps + 1):  # 3. (the last round only flushes)
@@ -175,6 +220,8 @@ def assign_slots(vals, start, stop, reuse, occ, slot_of, res_slots, load_pos, lo
             i = res_slots[t]
             if i < -1:
                 res_slots[t] = res_slots[-2 - i]
+            elif i == -1:  # a kept row back after its gap: its one slot
+                res_slots[t] = slot_of[vals[t]]
     return load_ptr[num_steps], flush_ptr[num_steps]
 
 

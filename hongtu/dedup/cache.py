@@ -16,20 +16,26 @@ device; a device has ``num_slots + extra`` slots at every step, where
 ``num_slots`` is its largest resident set without caching. So the device
 buffer grows by at most ``extra`` rows.
 
-The result is a new list of resident sets (each batch's set plus the kept
-rows passing through it); :func:`~hongtu.dedup.plan_transfers` assigns
-slots on it exactly as without caching, and the engine executes it
-unchanged.
+The result, as :func:`keep_reused_rows` writes it, is a new list of
+resident sets (each batch's set plus the kept rows passing through it).
+:func:`~hongtu.dedup.plan_transfers` takes the choice alone
+(:func:`choose_kept_rows`: each kept row's first and last read) and assigns
+slots on the sets as they are, loading a kept row at its first read and
+flushing it after its last: the same loads, flushes and slots as on the
+extended sets, without writing them (they are several times the reads on
+big graphs). The engine executes the plan unchanged.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numba
 import numpy as np
 
 from hongtu.graph._kernels import highest_bit, lowest_bit, popcount
 
-__all__ = ["keep_reused_rows"]
+__all__ = ["KeptRows", "choose_kept_rows", "keep_reused_rows"]
 
 _I64 = np.int64
 _U64 = np.uint64
@@ -206,6 +212,91 @@ def _score_order(pair: np.ndarray, width: int) -> np.ndarray:
     return _counting_order(key, pair, uniq.shape[0])
 
 
+class KeptRows(NamedTuple):
+    """Rows kept on the device through their gap steps, for the slot assignment.
+
+    ``first[u]``/``last[u]``: the first and last step reading kept row ``u``
+    (``-1`` for every other row); it is loaded at ``first`` and flushed after
+    ``last`` only. ``sizes[d, s]``: device ``d``'s resident rows at step ``s``
+    with the kept rows passing through it (at most its largest set plus
+    ``extra``). ``kept``: how many rows are kept.
+    """
+
+    first: np.ndarray
+    last: np.ndarray
+    sizes: np.ndarray
+    kept: int
+
+
+def _select(t_ptr, t_ids, num_nodes, extra, part_ptr):
+    """The greedy selection: ``(pm, bounds, kept ids, sizes with kept rows)``, or ``None``."""
+    t_ptr = np.ascontiguousarray(t_ptr, dtype=_I64)
+    t_ids = np.ascontiguousarray(t_ids)
+    num_steps = t_ptr.shape[0] - 1
+    if extra <= 0 or num_steps < 3 or t_ids.size == 0:
+        return None
+    part_ptr = np.array([0, num_nodes], dtype=_I64) if part_ptr is None \
+        else np.asarray(part_ptr, dtype=_I64)
+    devices = part_ptr.shape[0] - 1
+    words = (num_steps + 63) // 64
+    bounds = _row_blocks(num_nodes)
+    pm = np.zeros((num_nodes, words), dtype=_U64)  # the steps reading each row
+    _presence(t_ptr, t_ids, bounds, pm)
+    width = num_steps + 1  # above any gap count
+    key = np.empty(num_nodes, dtype=_I64)
+    _scores(pm, width, key)
+    cands = np.flatnonzero(key >= 0)
+    if cands.size == 0:
+        return None
+    # Saving per slot spent, best first; ties in id order.
+    cands = cands[_score_order(key[cands], width)]
+    del key
+    masks = np.empty((cands.shape[0], words), dtype=_U64)
+    _gap_masks(cands, pm, masks)
+    # Set sizes per device and step: room = largest + extra - this one.
+    sizes = np.empty((devices, num_steps), dtype=_I64)
+    for s in range(num_steps):
+        seg = t_ids[t_ptr[s]:t_ptr[s + 1]]
+        sizes[:, s] = np.diff(np.searchsorted(seg, part_ptr))
+    top = sizes.max(axis=1, keepdims=True) + int(extra)
+    room = top - sizes
+    full = np.zeros((devices, masks.shape[1]), dtype=_U64)
+    for d, s in zip(*np.nonzero(room <= 0)):
+        full[d, s >> 6] |= _U64(1) << _U64(s & 63)
+    owner = np.zeros(cands.shape[0], dtype=_I64) if devices == 1 else \
+        np.searchsorted(part_ptr, cands, side="right").astype(_I64) - 1
+    take = np.zeros(cands.shape[0], dtype=np.bool_)
+    if _greedy(masks, owner, room, full, take) == 0:
+        return None
+    return pm, bounds, np.sort(cands[take]), top - room
+
+
+@numba.njit(parallel=True, cache=True)
+def _spans(pm, ids, first, last):
+    for j in numba.prange(ids.shape[0]):
+        first[ids[j]], last[ids[j]] = _first_last(pm[ids[j]])
+
+
+def choose_kept_rows(t_ptr: np.ndarray, t_ids: np.ndarray, num_nodes: int, extra: int,
+                     part_ptr: np.ndarray | None = None) -> KeptRows | None:
+    r"""Which rows to keep through their gap steps, without extending the sets.
+
+    The selection of :func:`keep_reused_rows` (same arguments), as the steps
+    spanned by each kept row: :func:`~hongtu.dedup.plan_transfers` assigns
+    slots on the sets as they are, loading a kept row at its first read and
+    flushing it after its last (the same loads, flushes and slots as on the
+    extended sets, without writing them). ``None`` when no row is kept.
+    """
+    picked = _select(t_ptr, t_ids, num_nodes, extra, part_ptr)
+    if picked is None:
+        return None
+    pm, _, ids, sizes = picked
+    first = np.full(num_nodes, -1, dtype=np.int32)
+    last = np.full(num_nodes, -1, dtype=np.int32)
+    _spans(pm, ids, first, last)
+    return KeptRows(first, last, sizes, int(ids.shape[0]))
+
+
 def keep_reused_rows(t_ptr: np.ndarray, t_ids: np.ndarray, num_nodes: int, extra: int,
                      part_ptr: np.ndarray | None = None
                      ) -> tuple[np.ndarray, np.ndarray, int]:
@@ -225,47 +316,18 @@ def keep_reused_rows(t_ptr: np.ndarray, t_ids: np.ndarray, num_nodes: int, extra
 
     Memory: a mask of the steps reading each row (8 bytes per row and 64
     steps) and one of each candidate's gap steps (as many per candidate).
+    The planner uses :func:`choose_kept_rows`, which makes the same choice
+    without writing the extended sets.
     """
     t_ptr = np.ascontiguousarray(t_ptr, dtype=_I64)
     t_ids = np.ascontiguousarray(t_ids)
+    picked = _select(t_ptr, t_ids, num_nodes, extra, part_ptr)
+    if picked is None:
+        return t_ptr, t_ids, 0
+    pm, bounds, ids, _ = picked
     num_steps = t_ptr.shape[0] - 1
-    if extra <= 0 or num_steps < 3 or t_ids.size == 0:
-        return t_ptr, t_ids, 0
-    part_ptr = np.array([0, num_nodes], dtype=_I64) if part_ptr is None \
-        else np.asarray(part_ptr, dtype=_I64)
-    devices = part_ptr.shape[0] - 1
-    words = (num_steps + 63) // 64
-    bounds = _row_blocks(num_nodes)
-    pm = np.zeros((num_nodes, words), dtype=_U64)  # the steps reading each row
-    _presence(t_ptr, t_ids, bounds, pm)
-    width = num_steps + 1  # above any gap count
-    key = np.empty(num_nodes, dtype=_I64)
-    _scores(pm, width, key)
-    cands = np.flatnonzero(key >= 0)
-    if cands.size == 0:
-        return t_ptr, t_ids, 0
-    # Saving per slot spent, best first; ties in id order.
-    cands = cands[_score_order(key[cands], width)]
-    del key
-    masks = np.empty((cands.shape[0], words), dtype=_U64)
-    _gap_masks(cands, pm, masks)
-    # Set sizes per device and step: room = largest + extra - this one.
-    sizes = np.empty((devices, num_steps), dtype=_I64)
-    for s in range(num_steps):
-        seg = t_ids[t_ptr[s]:t_ptr[s + 1]]
-        sizes[:, s] = np.diff(np.searchsorted(seg, part_ptr))
-    room = sizes.max(axis=1, keepdims=True) + int(extra) - sizes
-    full = np.zeros((devices, masks.shape[1]), dtype=_U64)
-    for d, s in zip(*np.nonzero(room <= 0)):
-        full[d, s >> 6] |= _U64(1) << _U64(s & 63)
-    owner = np.zeros(cands.shape[0], dtype=_I64) if devices == 1 else \
-        np.searchsorted(part_ptr, cands, side="right").astype(_I64) - 1
-    take = np.zeros(cands.shape[0], dtype=np.bool_)
-    kept = int(_greedy(masks, owner, room, full, take))
-    if kept == 0:
-        return t_ptr, t_ids, 0
     keep = np.zeros(num_nodes, dtype=np.bool_)
-    keep[cands[take]] = True
+    keep[ids] = True
     # Each step's set with the kept rows passing through it, in one transposition.
     offs = np.zeros((bounds.shape[0] - 1, num_steps), dtype=_I64)
     none = np.empty(0, dtype=t_ids.dtype)
@@ -275,4 +337,4 @@ def keep_reused_rows(t_ptr: np.ndarray, t_ids: np.ndarray, num_nodes: int, extra
     offs = np.cumsum(offs, axis=0) - offs + new_ptr[:-1]
     new_ids = np.empty(int(new_ptr[-1]), dtype=t_ids.dtype)
     _extended(pm, keep, bounds, offs, new_ids, True)
-    return new_ptr, new_ids, kept
+    return new_ptr, new_ids, int(ids.shape[0])

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hongtu.dedup import _kernels as K
-from hongtu.dedup.cache import keep_reused_rows
+from hongtu.dedup.cache import KeptRows, choose_kept_rows
 from hongtu.dedup.sets import (
     check_order,
     consecutive_overlaps,
@@ -79,8 +79,11 @@ def _lookup(q_vals, q_start, q_stop, r_vals, r_start, r_stop, r_slots, lo, hi, r
     return ptr, out
 
 
-def _assign(vals, start, stop, reuse, num_slots, num_nodes, res_slots, slot_dtype):
-    """Run :func:`_kernels.assign_slots` for one device; trimmed output arrays."""
+def _assign(vals, start, stop, reuse, num_slots, num_nodes, res_slots, slot_dtype,
+            flags: np.ndarray | None = None):
+    """Run :func:`_kernels.assign_slots` for one device; trimmed output arrays.
+    ``num_slots``: the most rows resident at a step (kept rows included);
+    ``flags``: :func:`_flags` of ``vals`` when rows are kept."""
     bound = int(np.sum(stop - start))
     occ = np.zeros(num_slots + 1, dtype=np.bool_)
     slot_of = np.empty(num_nodes, dtype=slot_dtype)
@@ -92,10 +95,20 @@ def _assign(vals, start, stop, reuse, num_slots, num_nodes, res_slots, slot_dtyp
     flush_ids = np.empty(bound, dtype=vals.dtype)
     load_slots = np.empty(bound, dtype=slot_dtype)
     flush_slots = np.empty(bound, dtype=slot_dtype)
-    nl, nf = K.assign_slots(vals, start, stop, bool(reuse), occ, slot_of, res_slots, load_pos,
-                            load_ptr, load_ids, load_slots, flush_ptr, flush_ids, flush_slots)
+    flags = np.empty(0, dtype=np.int8) if flags is None else flags
+    nl, nf = K.assign_slots(vals, start, stop, bool(reuse), flags, occ, slot_of, res_slots,
+                            load_pos, load_ptr, load_ids, load_slots, flush_ptr, flush_ids,
+                            flush_slots)
     return (load_ptr, load_ids[:nl].copy(), load_slots[:nl].copy(),
             flush_ptr, flush_ids[:nf].copy(), flush_slots[:nf].copy())
+
+
+def _flags(kept: KeptRows, ptr: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """:func:`_kernels.kept_flags` of the sets ``ptr``/``ids`` (one per step)."""
+    flags = np.empty(ids.shape[0], dtype=np.int8)
+    K.kept_flags(ids, np.ascontiguousarray(ptr[:-1]), np.ascontiguousarray(ptr[1:]), kept.first,
+                 kept.last, flags)
+    return flags
 
 
 def _exchange(d, devices, order, chunk_ids, nb_ptr, nb_ids, nb_cut, base, r_start, r_stop,
@@ -259,14 +272,16 @@ def plan_transfers(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarra
     slot_dtype = np.int32 if 2 * num_nodes + 1 < np.iinfo(np.int32).max else _I64
     shared = p2p or m == 1
     exchange = shared and devices > 1
-    kept = 0
+    kept = None
     nb_cut = _cuts(nb_ptr, nb_ids, part_ptr) if exchange else None
     if callable(cache_rows):
         cache_rows = int(cache_rows(_needs(t_ptr, t_ids, overlaps, part_ptr, nb_ptr, nb_cut, order,
                                            devices, exchange))) if shared and reuse else 0
     if shared and reuse and cache_rows > 0:
-        t_ptr, t_ids, kept = keep_reused_rows(t_ptr, t_ids, num_nodes, int(cache_rows),
-                                              part_ptr if exchange else None)
+        # (The sets stay as they are; the slot walk holds kept rows through their gaps.)
+        kept = choose_kept_rows(t_ptr, t_ids, num_nodes, int(cache_rows),
+                                part_ptr if exchange else None)
+    flags = None if kept is None else _flags(kept, t_ptr, t_ids)
     t_cut = _cuts(t_ptr, t_ids, part_ptr) if exchange else None
     flat = order.ravel()
     # Resident segments of all devices are disjoint pieces of one base array,
@@ -293,13 +308,19 @@ def plan_transfers(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarra
         r_start = np.ascontiguousarray(r_start, dtype=_I64)
         r_stop = np.ascontiguousarray(r_stop, dtype=_I64)
         num_slots = int((r_stop - r_start).max()) if r_start.size else 0
+        if kept is not None:
+            num_slots = int(kept.sizes[d if exchange else 0].max())
         load_ptr, load_ids, load_slots, flush_ptr, flush_ids, flush_slots = _assign(
-            base, r_start, r_stop, reuse, num_slots, num_nodes, res_slots, slot_dtype)
+            base, r_start, r_stop, reuse, num_slots, num_nodes, res_slots, slot_dtype, flags)
         # Chunk reads: step of each chunk position -> its resident segment.
-        step_of = np.repeat(np.arange(step_ptr.shape[0] - 1), np.diff(step_ptr))
-        chunk_slot_ptr, chunk_slots = _lookup(
-            nb_ids, nb_ptr[chunk_ids], nb_ptr[chunk_ids + 1], base, r_start[step_of],
-            r_stop[step_of], res_slots, own[0], own[1], num_slots, slot_dtype)
+        if shared and m == 1:
+            # One chunk per step, whose rows are the step's set: read them as they lie.
+            chunk_slot_ptr, chunk_slots = t_ptr.copy(), res_slots.astype(slot_dtype, copy=False)
+        else:
+            step_of = np.repeat(np.arange(step_ptr.shape[0] - 1), np.diff(step_ptr))
+            chunk_slot_ptr, chunk_slots = _lookup(
+                nb_ids, nb_ptr[chunk_ids], nb_ptr[chunk_ids + 1], base, r_start[step_of],
+                r_stop[step_of], res_slots, own[0], own[1], num_slots, slot_dtype)
         ex = _exchange(d, devices, order, chunk_ids, nb_ptr, nb_ids, nb_cut, base, r_start,
                        r_stop, res_slots, own, num_slots, slot_dtype, exchange)
         plans.append(DevicePlan(
@@ -310,7 +331,8 @@ def plan_transfers(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarra
     h2d = sum(int(p.load_ids.shape[0]) for p in plans)
     return TransferPlan(
         num_nodes=num_nodes, num_parts=m, num_chunks=n, devices=int(devices), reuse=bool(reuse),
-        p2p=bool(p2p), order=order, part_ptr=part_ptr, plans=plans, cached_rows=kept,
+        p2p=bool(p2p), order=order, part_ptr=part_ptr, plans=plans,
+        cached_rows=kept.kept if kept is not None else 0,
         v_ori=vol.v_ori,
         v_p2p=vol.v_p2p, v_ru=vol.v_ru, h2d_rows=h2d,
         d2d_rows=sum(int(p.send_ids.shape[0]) for p in plans),

@@ -436,6 +436,43 @@ def test_kept_rows_match_the_spelled_out_selection(steps, devices, extra):
     assert kept == len({u for s in range(steps) for u in set(want[s]) - set(sets[s])})
 
 
+@pytest.mark.parametrize("steps", [5, 64, 65, 130])
+@pytest.mark.parametrize("extra", [2, 50])
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+def test_kept_rows_walk_equals_the_extended_sets(steps, extra, parallel, monkeypatch):
+    """The planner's slot walk on the sets as they are, holding kept rows through
+    their gaps, gives the loads, flushes and slots of the walk on the sets
+    extended by the kept rows (keep_reused_rows), in both kernel variants."""
+    from hongtu.dedup.cache import choose_kept_rows, keep_reused_rows
+    from hongtu.dedup.plan import _assign, _flags
+    from hongtu.graph import _kernels as graph_kernels
+
+    if parallel:
+        monkeypatch.setattr(graph_kernels, "SERIAL_BELOW", 0)
+    rng = np.random.default_rng(steps + extra)
+    num_nodes = 60
+    sets = [sorted(rng.choice(num_nodes, rng.integers(1, 20), replace=False).tolist())
+            for _ in range(steps)]
+    ptr = np.cumsum([0] + [len(s) for s in sets]).astype(np.int64)
+    ids = np.concatenate([np.array(s) for s in sets]).astype(np.int32)
+    ext_ptr, ext_ids, count = keep_reused_rows(ptr, ids, num_nodes, extra)
+    kept = choose_kept_rows(ptr, ids, num_nodes, extra)
+    assert count > 0 and kept.kept == count
+    assert np.array_equal(kept.sizes[0], np.diff(ext_ptr))
+    res_ext = np.zeros(ext_ids.shape[0], dtype=np.int32)
+    on_ext = _assign(ext_ids, ext_ptr[:-1], ext_ptr[1:], True, int(np.diff(ext_ptr).max()),
+                     num_nodes, res_ext, np.int32)
+    res = np.zeros(ids.shape[0], dtype=np.int32)
+    walked = _assign(ids, ptr[:-1], ptr[1:], True, int(kept.sizes[0].max()), num_nodes, res,
+                     np.int32, _flags(kept, ptr, ids))
+    for a, b in zip(on_ext, walked):
+        assert np.array_equal(a, b)
+    for s in range(steps):  # every read row has the slot it has on the extended sets
+        seg = ext_ids[ext_ptr[s]:ext_ptr[s + 1]]
+        at = ext_ptr[s] + np.searchsorted(seg, ids[ptr[s]:ptr[s + 1]])
+        assert np.array_equal(res[ptr[s]:ptr[s + 1]], res_ext[at])
+
+
 @pytest.mark.parametrize("m,n,devices", [(1, 5, 1), (3, 4, 1), (3, 4, 3), (4, 6, 4)])
 def test_needs_before_slots_equal_the_plan(m, n, devices):
     """The budget function sees exactly what the plan without kept rows needs."""
