@@ -11,8 +11,12 @@ segments are the shared bitmap kernels,
 from __future__ import annotations
 
 import numba
+import numpy as np
 
-from hongtu.graph._kernels import parallel_kernel
+from hongtu.graph._kernels import lowest_bit, parallel_kernel
+
+_ONE = np.uint64(1)
+_ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 __all__ = ["merge_sorted", "intersect_counts", "kept_flags",
            "assign_slots", "lookup_slots", "gather_segments"]
@@ -128,14 +132,16 @@ def assign_slots(vals, start, stop, reuse, kept_flags, occ, slot_of, res_slots, 
        of ``R_s`` leaves when no mark of ``R_{s+1}`` names it and it is not
        kept past ``s``);
     3. step by step, flushed rows free the slot they were loaded into
-       (``slot_of``, per id) and loaded rows take the lowest free slots;
+       (``slot_of``, per id) and loaded rows take the lowest free slots (a
+       bitmap, read a word of 64 slots at a time);
     4. loaded rows' slots go to ``res_slots``, then, step by step in
        parallel, staying rows copy theirs from ``R_{s-1}`` and kept rows
        coming back read their one slot from ``slot_of``.
 
     Segments of different steps must not overlap; positions in ``vals``
-    must fit ``res_slots``' dtype. ``occ`` (one more than the most rows
-    resident at a step, kept ones included) is scratch and is left clean;
+    must fit ``res_slots``' dtype. ``occ`` (a uint64 bit per slot: one word
+    more than the most rows resident at a step, kept ones included, need) is
+    scratch and is left clean;
     ``slot_of`` (``|V|``) and ``load_pos`` are scratch.
 
     Lowest-free placement keeps every slot below the most rows resident at
@@ -203,14 +209,16 @@ def assign_slots(vals, start, stop, reuse, kept_flags, occ, slot_of, res_slots, 
             for f in range(flush_ptr[s - 1], flush_ptr[s]):
                 sl = slot_of[flush_ids[f]]
                 flush_slots[f] = sl
-                occ[sl] = False
+                occ[sl >> 6] &= ~(_ONE << numba.uint64(sl & 63))
         if s == num_steps:
             break
-        p = 0
+        w = 0
         for q in range(load_ptr[s], load_ptr[s + 1]):
-            while occ[p]:
-                p += 1
-            occ[p] = True
+            while occ[w] == _ALL:  # (64 taken slots per test)
+                w += 1
+            b = lowest_bit(~occ[w])
+            occ[w] |= _ONE << numba.uint64(b)
+            p = 64 * w + b
             load_slots[q] = p
             slot_of[load_ids[q]] = p
     for q in numba.prange(load_ptr[num_steps]):  # 4.

@@ -268,7 +268,7 @@ def _select(t_ptr, t_ids, num_nodes, extra, part_ptr):
     take = np.zeros(cands.shape[0], dtype=np.bool_)
     if _greedy(masks, owner, room, full, take) == 0:
         return None
-    return pm, bounds, np.sort(cands[take]), top - room
+    return pm, bounds, cands[take], top - room
 
 
 @numba.njit(parallel=True, cache=True)

@@ -85,7 +85,7 @@ def _assign(vals, start, stop, reuse, num_slots, num_nodes, res_slots, slot_dtyp
     ``num_slots``: the most rows resident at a step (kept rows included);
     ``flags``: :func:`_flags` of ``vals`` when rows are kept."""
     bound = int(np.sum(stop - start))
-    occ = np.zeros(num_slots + 1, dtype=np.bool_)
+    occ = np.zeros(num_slots // 64 + 2, dtype=np.uint64)  # a bit per slot
     slot_of = np.empty(num_nodes, dtype=slot_dtype)
     steps = start.shape[0]
     load_ptr = np.zeros(steps + 1, dtype=_I64)
@@ -95,6 +95,8 @@ def _assign(vals, start, stop, reuse, num_slots, num_nodes, res_slots, slot_dtyp
     flush_ids = np.empty(bound, dtype=vals.dtype)
     load_slots = np.empty(bound, dtype=slot_dtype)
     flush_slots = np.empty(bound, dtype=slot_dtype)
+    if flags is not None and not reuse:
+        raise ValueError("kept rows need reuse: a row is kept in place between its reads")
     flags = np.empty(0, dtype=np.int8) if flags is None else flags
     nl, nf = K.assign_slots(vals, start, stop, bool(reuse), flags, occ, slot_of, res_slots,
                             load_pos, load_ptr, load_ids, load_slots, flush_ptr, flush_ids,

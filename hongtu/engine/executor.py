@@ -89,7 +89,7 @@ def _first_flushes_first(ids, ptr, seen, own_step, written, order, split):
 
 
 def layers_moved_whole(num_rows: int, widths: list[int], buffer_rows: int, load_rows: int,
-                 exchange: bool) -> list[bool]:
+                       exchange: bool) -> list[bool]:
     """Which layers' passes move all of ``h^l`` (and ``∇h^l``) in one contiguous
     copy each instead of the plan's neighbour rows.
 
@@ -201,8 +201,8 @@ class Executor:
         overlap: on a GPU, move the next batch's rows while the current one
             computes (:class:`~hongtu.engine.transfer.Mover`).
         whole_layers: a layer whose rows fit the transition buffer's memory
-            moves all of them per pass (:func:`layers_moved_whole`); ``False`` = every
-            layer moves the plan's neighbour rows.
+            moves all of them per pass (:func:`layers_moved_whole`); ``False`` =
+            every layer moves the plan's neighbour rows.
     """
 
     def __init__(self, model: GNN, chunks: ChunkSet, buffers: HostBuffers, labels: Tensor,
