@@ -273,6 +273,7 @@ def _select(t_ptr, t_ids, num_nodes, extra, part_ptr):
 
 @numba.njit(parallel=True, cache=True)
 def _spans(pm, ids, first, last):
+    """``first[u]``, ``last[u]``: the first and last step reading each row ``u`` of ``ids``."""
     for j in numba.prange(ids.shape[0]):
         first[ids[j]], last[ids[j]] = _first_last(pm[ids[j]])
 

@@ -318,6 +318,8 @@ def plan_transfers(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarra
         if shared and m == 1:
             # One chunk per step, whose rows are the step's set: read them as they lie.
             chunk_slot_ptr, chunk_slots = t_ptr.copy(), res_slots.astype(slot_dtype, copy=False)
+            if chunk_slots.size and chunk_slots.min() < 0:
+                raise AssertionError("planner bug: a row a chunk reads is not resident")
         else:
             step_of = np.repeat(np.arange(step_ptr.shape[0] - 1), np.diff(step_ptr))
             chunk_slot_ptr, chunk_slots = _lookup(
