@@ -18,7 +18,7 @@ from hongtu.graph._kernels import lowest_bit, parallel_kernel
 _ONE = np.uint64(1)
 _ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
 
-__all__ = ["merge_sorted", "intersect_counts", "kept_flags",
+__all__ = ["merge_sorted", "intersect_counts", "kept_flags", "assign_marks",
            "assign_slots", "lookup_slots", "gather_segments"]
 
 
@@ -102,56 +102,15 @@ def kept_flags(vals, start, stop, first, last, flags):
 
 
 @parallel_kernel
-def assign_slots(vals, start, stop, reuse, kept_flags, occ, slot_of, res_slots, load_pos,
-                 load_ptr, load_ids, load_slots, flush_ptr, flush_ids, flush_slots):
-    """Walk one device's resident sets step by step and give every row a slot.
-
-    Step ``s`` keeps ``R_s = vals[start[s]:stop[s]]`` resident. Before it,
-    the rows of ``R_{s-1}`` that ``R_s`` does not hold (all of them without
-    ``reuse``) are flushed and their slots freed; then every row of ``R_s``
-    without a slot takes the lowest free slot, in id order, and is loaded.
-    Kept rows keep their slot (in-place reuse). After the last step every
-    row is flushed. ``res_slots`` (aligned with ``vals``) gets every row's
-    slot at every step.
-
-    Rows kept through their gaps (only with ``reuse``) are resident from the
-    first step that reads them to the last, whether or not the steps between
-    hold them: they enter only at the first and leave only after the last.
-    ``kept_flags`` (aligned with ``vals``, :func:`kept_flags`; empty: no
-    kept rows) marks their reads after the first (:data:`KEPT_BEFORE`) and
-    before the last (:data:`KEPT_AFTER`). That is the walk over the sets
-    extended by the kept rows passing through, without the extended sets.
-
-    Only the placement is sequential, and it visits loads and flushes alone:
-
-    1. in parallel over steps, one merge of ``R_{s-1}`` and ``R_s`` marks
-       each row of ``R_s`` in ``res_slots``: ``-2 - i`` when it stays from
-       position ``i`` of ``R_{s-1}``, ``-1`` when it enters (or a kept row
-       comes back); the counts give ``load_ptr`` and ``flush_ptr``;
-    2. in parallel over steps, the loaded and flushed ids are listed (a row
-       of ``R_s`` leaves when no mark of ``R_{s+1}`` names it and it is not
-       kept past ``s``);
-    3. step by step, flushed rows free the slot they were loaded into
-       (``slot_of``, per id) and loaded rows take the lowest free slots (a
-       bitmap, read a word of 64 slots at a time);
-    4. loaded rows' slots go to ``res_slots``, then, step by step in
-       parallel, staying rows copy theirs from ``R_{s-1}`` and kept rows
-       coming back read their one slot from ``slot_of``.
-
-    Segments of different steps must not overlap; positions in ``vals``
-    must fit ``res_slots``' dtype. ``occ`` (a uint64 bit per slot: one word
-    more than the most rows resident at a step, kept ones included, need) is
-    scratch and is left clean;
-    ``slot_of`` (``|V|``) and ``load_pos`` are scratch.
-
-    Lowest-free placement keeps every slot below the most rows resident at
-    a step: the new rows of step ``s`` fill the gaps left by the kept rows.
-    """
+def assign_marks(vals, start, stop, reuse, kept_flags, res_slots, load_ptr, flush_ptr):
+    """Step 1 of :func:`assign_slots`: mark each row of every step and count the loads
+    and flushes (``load_ptr``, ``flush_ptr``: ``num_steps + 1`` offsets each), so
+    the caller sizes the lists exactly."""
     num_steps = start.shape[0]
     load_ptr[0] = 0
     flush_ptr[0] = 0
     if num_steps == 0:
-        return 0, 0
+        return
     kept = kept_flags.shape[0] > 0
     for s in numba.prange(num_steps):  # 1. (counts first, cumulated below)
         a, b = start[s], stop[s]
@@ -187,6 +146,59 @@ def assign_slots(vals, start, stop, reuse, kept_flags, occ, slot_of, res_slots, 
     for s in range(num_steps):
         load_ptr[s + 1] += load_ptr[s]
         flush_ptr[s + 1] += flush_ptr[s]
+
+
+@parallel_kernel
+def assign_slots(vals, start, stop, kept_flags, occ, slot_of, res_slots, load_pos, load_ptr,
+                 load_ids, load_slots, flush_ptr, flush_ids, flush_slots):
+    """Walk one device's resident sets step by step and give every row a slot.
+
+    Step ``s`` keeps ``R_s = vals[start[s]:stop[s]]`` resident. Before it,
+    the rows of ``R_{s-1}`` that ``R_s`` does not hold (all of them without
+    ``reuse``) are flushed and their slots freed; then every row of ``R_s``
+    without a slot takes the lowest free slot, in id order, and is loaded.
+    Kept rows keep their slot (in-place reuse). After the last step every
+    row is flushed. ``res_slots`` (aligned with ``vals``) gets every row's
+    slot at every step.
+
+    Rows kept through their gaps (only with ``reuse``) are resident from the
+    first step that reads them to the last, whether or not the steps between
+    hold them: they enter only at the first and leave only after the last.
+    ``kept_flags`` (aligned with ``vals``, :func:`kept_flags`; empty: no
+    kept rows) marks their reads after the first (:data:`KEPT_BEFORE`) and
+    before the last (:data:`KEPT_AFTER`). That is the walk over the sets
+    extended by the kept rows passing through, without the extended sets.
+
+    Only the placement is sequential, and it visits loads and flushes alone:
+
+    1. in parallel over steps, one merge of ``R_{s-1}`` and ``R_s`` marks
+       each row of ``R_s`` in ``res_slots``: ``-2 - i`` when it stays from
+       position ``i`` of ``R_{s-1}``, ``-1`` when it enters (or a kept row
+       comes back); the counts give ``load_ptr`` and ``flush_ptr``
+       (:func:`assign_marks`, run first: the lists are then sized exactly);
+    2. in parallel over steps, the loaded and flushed ids are listed (a row
+       of ``R_s`` leaves when no mark of ``R_{s+1}`` names it and it is not
+       kept past ``s``);
+    3. step by step, flushed rows free the slot they were loaded into
+       (``slot_of``, per id) and loaded rows take the lowest free slots (a
+       bitmap, read a word of 64 slots at a time);
+    4. loaded rows' slots go to ``res_slots``, then, step by step in
+       parallel, staying rows copy theirs from ``R_{s-1}`` and kept rows
+       coming back read their one slot from ``slot_of``.
+
+    Segments of different steps must not overlap; positions in ``vals``
+    must fit ``res_slots``' dtype. ``occ`` (a uint64 bit per slot: one word
+    more than the most rows resident at a step, kept ones included, need) is
+    scratch and is left clean;
+    ``slot_of`` (``|V|``) and ``load_pos`` are scratch.
+
+    Lowest-free placement keeps every slot below the most rows resident at
+    a step: the new rows of step ``s`` fill the gaps left by the kept rows.
+    """
+    num_steps = start.shape[0]
+    if num_steps == 0:
+        return
+    kept = kept_flags.shape[0] > 0
     for s in numba.prange(num_steps):  # 2.
         q = load_ptr[s]
         for t in range(start[s], stop[s]):
@@ -230,7 +242,6 @@ def assign_slots(vals, start, stop, reuse, kept_flags, occ, slot_of, res_slots, 
                 res_slots[t] = res_slots[-2 - i]
             elif i == -1:  # a kept row back after its gap: its one slot
                 res_slots[t] = slot_of[vals[t]]
-    return load_ptr[num_steps], flush_ptr[num_steps]
 
 
 @parallel_kernel

@@ -81,28 +81,28 @@ def _lookup(q_vals, q_start, q_stop, r_vals, r_start, r_stop, r_slots, lo, hi, r
 
 def _assign(vals, start, stop, reuse, num_slots, num_nodes, res_slots, slot_dtype,
             flags: np.ndarray | None = None):
-    """Run :func:`_kernels.assign_slots` for one device; trimmed output arrays.
+    """Run :func:`_kernels.assign_marks` and :func:`_kernels.assign_slots` for one
+    device: ``(load_ptr, load_ids, load_slots, flush_ptr, flush_ids, flush_slots)``.
     ``num_slots``: the most rows resident at a step (kept rows included);
     ``flags``: :func:`_flags` of ``vals`` when rows are kept."""
-    bound = int(np.sum(stop - start))
-    occ = np.zeros(num_slots // 64 + 2, dtype=np.uint64)  # a bit per slot
-    slot_of = np.empty(num_nodes, dtype=slot_dtype)
-    steps = start.shape[0]
-    load_ptr = np.zeros(steps + 1, dtype=_I64)
-    flush_ptr = np.zeros(steps + 1, dtype=_I64)
-    load_ids = np.empty(bound, dtype=vals.dtype)
-    load_pos = np.empty(bound, dtype=res_slots.dtype)
-    flush_ids = np.empty(bound, dtype=vals.dtype)
-    load_slots = np.empty(bound, dtype=slot_dtype)
-    flush_slots = np.empty(bound, dtype=slot_dtype)
     if flags is not None and not reuse:
         raise ValueError("kept rows need reuse: a row is kept in place between its reads")
     flags = np.empty(0, dtype=np.int8) if flags is None else flags
-    nl, nf = K.assign_slots(vals, start, stop, bool(reuse), flags, occ, slot_of, res_slots,
-                            load_pos, load_ptr, load_ids, load_slots, flush_ptr, flush_ids,
-                            flush_slots)
-    return (load_ptr, load_ids[:nl].copy(), load_slots[:nl].copy(),
-            flush_ptr, flush_ids[:nf].copy(), flush_slots[:nf].copy())
+    steps = start.shape[0]
+    load_ptr = np.zeros(steps + 1, dtype=_I64)
+    flush_ptr = np.zeros(steps + 1, dtype=_I64)
+    K.assign_marks(vals, start, stop, bool(reuse), flags, res_slots, load_ptr, flush_ptr)
+    loads, flushes = int(load_ptr[-1]), int(flush_ptr[-1])
+    load_ids = np.empty(loads, dtype=vals.dtype)
+    load_slots = np.empty(loads, dtype=slot_dtype)
+    flush_ids = np.empty(flushes, dtype=vals.dtype)
+    flush_slots = np.empty(flushes, dtype=slot_dtype)
+    K.assign_slots(vals, start, stop, flags,
+                   np.zeros(num_slots // 64 + 2, dtype=np.uint64),  # a bit per slot
+                   np.empty(num_nodes, dtype=slot_dtype), res_slots,
+                   np.empty(loads, dtype=res_slots.dtype), load_ptr, load_ids, load_slots,
+                   flush_ptr, flush_ids, flush_slots)
+    return load_ptr, load_ids, load_slots, flush_ptr, flush_ids, flush_slots
 
 
 def _flags(kept: KeptRows, ptr: np.ndarray, ids: np.ndarray) -> np.ndarray:
