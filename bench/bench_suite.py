@@ -16,7 +16,7 @@ Systems: ``hongtu`` (dedup + reorg + overlap, spare budget keeps reused rows),
 device, HongTu-IM), ``pyg`` (PyG in memory: GCNConv on a torch CSR adjacency,
 GATConv on edge_index, or OOM); ``serial`` (hongtu without overlap),
 ``nocache`` (hongtu without kept rows), ``recompute`` (hongtu without
-cached aggregates, ``engine.checkpoint=recompute``) and ``aggfirst`` (hongtu
+cached aggregates, ``engine.checkpoint=recompute``), ``aggfirst`` (hongtu
 aggregating before every weight, ``engine.transform_first=false``) and
 ``nowhole`` (hongtu moving the plan's rows for every layer,
 ``engine.whole_layers=false``) isolate one feature each. ``NAME@N``

@@ -219,7 +219,7 @@ def _costs(plan: TransferPlan, traffic: dict, tp: dict, passes: list[int]) -> di
     v_p2p = plan.v_p2p if plan.p2p or plan.num_parts == 1 else plan.v_ori
     eff = Volumes(plan.v_ori, v_p2p, min(plan.h2d_rows, v_p2p))  # = the paper's with dedup on
     # (a layer that moves all its rows does so in one contiguous copy)
-    per_layer = [x["forward_bytes"] / tp["contiguous"] if x.get("whole") else
+    per_layer = [x["forward_bytes"] / tp["contiguous"] if x["whole"] else
                  cost(eff, tp["host_to_device"], tp["device_to_device"], tp["reuse"],
                       row_bytes=x["row_bytes"]) for x in traffic["layers"]]
     c_epoch = sum(c * p for c, p in zip(per_layer, passes))
@@ -310,7 +310,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     def traffic_of(plan: TransferPlan) -> dict:
         first = plan.plans[0]
         whole = layers_moved_whole(graph.num_nodes, widths, first.buffer_rows,
-                             int(first.load_ids.shape[0]), e.devices > 1) \
+                                   int(first.load_ids.shape[0]), e.devices > 1) \
             if e.whole_layers else None
         return _traffic(widths, cached, needs_dst, itemsize, graph.num_nodes, plan.h2d_rows,
                         plan.d2h_rows, whole)
@@ -440,7 +440,7 @@ def _transfer_section(d: dict) -> list[str]:
              "aggregates", "ranges", "C / pass", "passes")]
     for x, cl, ps in zip(t["layers"], c["per_layer_pass_s"], c["passes"]):
         rows.append((str(x["layer"]), str(x["width"]), "yes" if x["cached"] else "no",
-                     "all" if x.get("whole") else "plan",
+                     "all" if x["whole"] else "plan",
                      fs(x["forward_bytes"]), fs(x["backward_reload_bytes"]), fs(x["flush_bytes"]),
                      fs(x["aggregate_d2h_bytes"] + x["aggregate_h2d_bytes"]),
                      fs(x["range_h2d_bytes"] + x["range_d2h_bytes"]), _ms(cl), str(ps)))
