@@ -10,11 +10,11 @@ copy rates measured in the same run: each direction alone, and both at once).
 
 Run (GPU machine)::
 
-    python bench/bench_passes.py rmat22 --model gcn2
+    python bench/bench_passes.py rmat22 --model gcn2 [--system recompute]
 
 The budget is the one ``bench_suite.py`` recorded for this workload and model
 (``--budget`` overrides it). Prints a table and writes
-``bench/results/passes_<workload>_<model>_<device>.json``.
+``bench/results/passes_<workload>_<model>[_<system>]_<device>.json``.
 """
 
 from __future__ import annotations
@@ -92,6 +92,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("workload", choices=sorted(WORKLOADS))
     ap.add_argument("--model", default="gcn2", choices=sorted(MODELS))
+    ap.add_argument("--system", default="hongtu",
+                    choices=sorted(k for k in SYSTEMS if k not in ("resident", "serial")),
+                    help="the suite's out-of-core system to time (default hongtu)")
     ap.add_argument("--scale", type=int, default=None, help="R-MAT scale of rmat22/largest")
     ap.add_argument("--budget", default=None,
                     help="device budget (default: the one bench_suite.py recorded)")
@@ -122,7 +125,7 @@ def main() -> int:
         "model": model_cfg(args.model, WORKLOADS[args.workload]["hidden"]),
         "train": {"epochs": args.epochs, "seed": 0},
         "engine": {"chunks": "auto", "partitioner": "range", "device_memory": parse_size(budget),
-                   "cache_dir": str(Path(args.workdir) / "cache"), **SYSTEMS["hongtu"]},
+                   "cache_dir": str(Path(args.workdir) / "cache"), **SYSTEMS[args.system]},
         "output": {"dir": str(Path(args.workdir) / "run")}})
     tr = Trainer(cfg, overwrite=True, out=lambda s: None)
     mv = tr.executor.mover
@@ -136,6 +139,7 @@ def main() -> int:
     names = ([f"forward L{l}" for l in range(tr.model.num_layers)]
              + [f"backward L{l}" for l in reversed(range(tr.model.num_layers))])
     result = {"device": device_name(), "workload": args.workload, "model": args.model,
+              "system": args.system,
               "run_at": time.strftime("%Y-%m-%d %H:%M"), "budget_bytes": parse_size(budget),
               "chunks": tr.partition.num_chunks, "pinned_peak_bytes_per_s": peak,
               "epoch_s": [r["epoch_s"] for r in epochs],
@@ -149,7 +153,8 @@ def main() -> int:
                 r["d2h_busy_ms"], r["both_ways_ms"], r["gpu_busy_ms"], r["idle_ms"],
                 r["h2d_bytes"] / 1e9, r["d2h_bytes"] / 1e9)
         print(f"{name:<14}" + "".join(f"{v:>10.2f}" for v in vals))
-    out = Path(args.out) / f"passes_{args.workload}_{args.model}_{tag}.json"
+    system = "" if args.system == "hongtu" else f"_{args.system}"
+    out = Path(args.out) / f"passes_{args.workload}_{args.model}{system}_{tag}.json"
     out.write_text(json.dumps(result, indent=2))
     print(f"epoch {result['median_epoch_s']:.3f} s ({tr.partition.num_chunks} chunks); wrote {out}")
     return 0

@@ -13,12 +13,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from hongtu.graph._kernels import lowest_bit, parallel_kernel
+from hongtu.graph._kernels import parallel_kernel
 
-_ONE = np.uint64(1)
-_ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
-
-__all__ = ["merge_sorted", "intersect_counts", "kept_flags", "assign_marks",
+__all__ = ["merge_sorted", "intersect_counts", "kept_flags", "piece_bounds", "assign_marks",
            "assign_slots", "lookup_slots", "gather_segments"]
 
 
@@ -102,25 +99,60 @@ def kept_flags(vals, start, stop, first, last, flags):
 
 
 @parallel_kernel
-def assign_marks(vals, start, stop, reuse, kept_flags, res_slots, load_ptr, flush_ptr):
-    """Step 1 of :func:`assign_slots`: mark each row of every step and count the loads
-    and flushes (``load_ptr``, ``flush_ptr``: ``num_steps + 1`` offsets each), so
-    the caller sizes the lists exactly."""
-    num_steps = start.shape[0]
-    load_ptr[0] = 0
-    flush_ptr[0] = 0
-    if num_steps == 0:
-        return
-    kept = kept_flags.shape[0] > 0
-    for s in numba.prange(num_steps):  # 1. (counts first, cumulated below)
+def piece_bounds(vals, start, stop, pa, pb):
+    """Cut every step's set into ``P = pa.shape[1] - 1`` pieces by value.
+
+    ``pa[s, k]``: where piece ``k`` of ``R_s = vals[start[s]:stop[s]]`` starts
+    (equal counts of rows); ``pb[s, k]`` (``s >= 1``): where the rows of
+    ``R_{s-1}`` of the same values start, so piece ``k`` of the transition
+    ``s-1 → s`` pairs rows of the same value range on both sides (below
+    ``R_s``'s second piece in the first, from its last piece on in the last).
+    """
+    pieces = pa.shape[1] - 1
+    for s in numba.prange(start.shape[0]):
         a, b = start[s], stop[s]
+        for k in range(pieces + 1):
+            pa[s, k] = a + (k * (b - a)) // pieces
+        if s == 0:
+            continue
+        i, i1 = start[s - 1], stop[s - 1]
+        pb[s, 0] = i
+        pb[s, pieces] = i1
+        for k in range(1, pieces):
+            if pa[s, k] >= b:  # (an empty set: every row of R_{s-1} in the first piece)
+                pb[s, k] = i1
+                continue
+            v = vals[pa[s, k]]
+            lo, hi = pb[s, k - 1], i1
+            while lo < hi:  # first row of R_{s-1} not below v
+                mid = (lo + hi) // 2
+                if vals[mid] < v:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            pb[s, k] = lo
+
+
+@parallel_kernel
+def assign_marks(vals, start, stop, reuse, kept_flags, res_slots, pa, pb, loads, flushes):
+    """Step 1 of :func:`assign_slots`, piece by piece (:func:`piece_bounds`): mark each
+    row of every step and count the loads (``loads[s, k]``: rows of piece ``k``
+    of ``R_s`` loaded at ``s``) and flushes (``flushes[s, k]``: rows of piece
+    ``k`` of ``R_s`` flushed after ``s``), so the caller sizes the lists
+    exactly."""
+    num_steps = start.shape[0]
+    pieces = pa.shape[1] - 1
+    kept = kept_flags.shape[0] > 0
+    for it in numba.prange(num_steps * pieces):
+        s, k = it // pieces, it % pieces
+        a, b = pa[s, k], pa[s, k + 1]
         for t in range(a, b):
             res_slots[t] = -1
         same = 0
         held = 0  # rows of R_{s-1} kept past it, not in R_s
         back = 0  # kept rows of R_s that came in before (not loads)
         if s > 0:
-            i, i1 = start[s - 1], stop[s - 1]
+            i, i1 = pb[s, k], pb[s, k + 1]
             j = a
             while reuse and (i < i1 or j < b):
                 if j == b or (i < i1 and vals[i] < vals[j]):
@@ -140,17 +172,16 @@ def assign_marks(vals, start, stop, reuse, kept_flags, res_slots, load_ptr, flus
                     same += 1
                     i += 1
                     j += 1
-            flush_ptr[s] = stop[s - 1] - start[s - 1] - same - held
-        load_ptr[s + 1] = b - a - same - back
-    flush_ptr[num_steps] = stop[num_steps - 1] - start[num_steps - 1]
-    for s in range(num_steps):
-        load_ptr[s + 1] += load_ptr[s]
-        flush_ptr[s + 1] += flush_ptr[s]
+            flushes[s - 1, k] = pb[s, k + 1] - pb[s, k] - same - held
+        loads[s, k] = b - a - same - back
+        if s == num_steps - 1:  # after the last step every row leaves
+            flushes[s, k] = b - a
 
 
 @parallel_kernel
-def assign_slots(vals, start, stop, kept_flags, occ, slot_of, res_slots, load_pos, load_ptr,
-                 load_ids, load_slots, flush_ptr, flush_ids, flush_slots):
+def assign_slots(vals, start, stop, kept_flags, occ, slot_of, res_slots, load_pos, pa, pb,
+                 load_offs, flush_offs, load_ptr, load_ids, load_slots, flush_ptr, flush_ids,
+                 flush_slots):
     """Walk one device's resident sets step by step and give every row a slot.
 
     Step ``s`` keeps ``R_s = vals[start[s]:stop[s]]`` resident. Before it,
@@ -171,24 +202,31 @@ def assign_slots(vals, start, stop, kept_flags, occ, slot_of, res_slots, load_po
 
     Only the placement is sequential, and it visits loads and flushes alone:
 
-    1. in parallel over steps, one merge of ``R_{s-1}`` and ``R_s`` marks
-       each row of ``R_s`` in ``res_slots``: ``-2 - i`` when it stays from
-       position ``i`` of ``R_{s-1}``, ``-1`` when it enters (or a kept row
-       comes back); the counts give ``load_ptr`` and ``flush_ptr``
-       (:func:`assign_marks`, run first: the lists are then sized exactly);
-    2. in parallel over steps, the loaded and flushed ids are listed (a row
-       of ``R_s`` leaves when no mark of ``R_{s+1}`` names it and it is not
-       kept past ``s``);
+    1. in parallel over the steps' pieces (:func:`piece_bounds`: ranges of
+       values, so that a few steps still make many tasks), one merge of
+       ``R_{s-1}`` and ``R_s`` marks each row of ``R_s`` in ``res_slots``:
+       ``-2 - i`` when it stays from position ``i`` of ``R_{s-1}``, ``-1``
+       when it enters (or a kept row comes back); the counts give
+       ``load_ptr``/``load_offs`` and ``flush_ptr``/``flush_offs`` (per step,
+       and where each piece's rows go) (:func:`assign_marks`, run first: the
+       lists are then sized exactly);
+    2. in parallel over the pieces, the loaded and flushed ids are listed (a
+       row of ``R_s`` leaves when no mark of ``R_{s+1}`` names it and it is
+       not kept past ``s``), each piece from its offset, so every step's
+       list is in id order;
     3. step by step, flushed rows free the slot they were loaded into
        (``slot_of``, per id) and loaded rows take the lowest free slots (a
-       bitmap, read a word of 64 slots at a time);
+       byte per slot, ``occ``; the free slots are counted per block of
+       slots and ranked by a prefix over the blocks), each in parallel within
+       the step (its loads and flushes are distinct rows, and every row
+       flushed at ``s`` was placed at an earlier step);
     4. loaded rows' slots go to ``res_slots``, then, step by step in
        parallel, staying rows copy theirs from ``R_{s-1}`` and kept rows
        coming back read their one slot from ``slot_of``.
 
     Segments of different steps must not overlap; positions in ``vals``
-    must fit ``res_slots``' dtype. ``occ`` (a uint64 bit per slot: one word
-    more than the most rows resident at a step, kept ones included, need) is
+    must fit ``res_slots``' dtype. ``occ`` (zeroed uint8, a byte per slot:
+    at least the most rows resident at a step, kept ones included) is
     scratch and is left clean;
     ``slot_of`` (``|V|``) and ``load_pos`` are scratch.
 
@@ -199,16 +237,23 @@ def assign_slots(vals, start, stop, kept_flags, occ, slot_of, res_slots, load_po
     if num_steps == 0:
         return
     kept = kept_flags.shape[0] > 0
-    for s in numba.prange(num_steps):  # 2.
-        q = load_ptr[s]
-        for t in range(start[s], stop[s]):
+    pieces = pa.shape[1] - 1
+    for it in numba.prange(num_steps * pieces):  # 2.
+        s, k = it // pieces, it % pieces
+        q = load_offs[s, k]
+        for t in range(pa[s, k], pa[s, k + 1]):
             if res_slots[t] == -1 and not (kept and kept_flags[t] & KEPT_BEFORE):
                 load_ids[q] = vals[t]
                 load_pos[q] = t
                 q += 1
-        f = flush_ptr[s]
-        j, j1 = (start[s + 1], stop[s + 1]) if s + 1 < num_steps else (0, 0)
-        for t in range(start[s], stop[s]):
+        f = flush_offs[s, k]
+        if s + 1 < num_steps:  # rows of piece k of R_s against those of R_{s+1}
+            t0, t1 = pb[s + 1, k], pb[s + 1, k + 1]
+            j, j1 = pa[s + 1, k], pa[s + 1, k + 1]
+        else:
+            t0, t1 = pa[s, k], pa[s, k + 1]
+            j, j1 = 0, 0
+        for t in range(t0, t1):
             while j < j1 and res_slots[j] == -1:
                 j += 1
             if j < j1 and res_slots[j] == -2 - t:
@@ -216,23 +261,39 @@ def assign_slots(vals, start, stop, kept_flags, occ, slot_of, res_slots, load_po
             elif not (kept and kept_flags[t] & KEPT_AFTER):
                 flush_ids[f] = vals[t]
                 f += 1
+    block = 4096  # slots per block of the free-slot count
+    num_blocks = (occ.shape[0] + block - 1) // block
+    free = np.zeros(num_blocks + 1, dtype=np.int64)
     for s in range(num_steps + 1):  # 3. (the last round only flushes)
         if s > 0:
-            for f in range(flush_ptr[s - 1], flush_ptr[s]):
+            for f in numba.prange(flush_ptr[s - 1], flush_ptr[s]):
                 sl = slot_of[flush_ids[f]]
                 flush_slots[f] = sl
-                occ[sl >> 6] &= ~(_ONE << numba.uint64(sl & 63))
+                occ[sl] = 0
         if s == num_steps:
             break
-        w = 0
-        for q in range(load_ptr[s], load_ptr[s + 1]):
-            while occ[w] == _ALL:  # (64 taken slots per test)
-                w += 1
-            b = lowest_bit(~occ[w])
-            occ[w] |= _ONE << numba.uint64(b)
-            p = 64 * w + b
-            load_slots[q] = p
-            slot_of[load_ids[q]] = p
+        q0, want = load_ptr[s], load_ptr[s + 1] - load_ptr[s]
+        if want == 0:
+            continue
+        for c in numba.prange(num_blocks):  # free slots per block, then their ranks
+            n = 0
+            for p in range(c * block, min(occ.shape[0], (c + 1) * block)):
+                n += occ[p] == 0
+            free[c + 1] = n
+        for c in range(num_blocks):
+            free[c + 1] += free[c]
+        for c in numba.prange(num_blocks):  # the lowest `want` free slots, in order
+            r = free[c]
+            p = c * block
+            end = min(occ.shape[0], (c + 1) * block)
+            while r < want and p < end:
+                if occ[p] == 0:
+                    occ[p] = 1
+                    load_slots[q0 + r] = p
+                    r += 1
+                p += 1
+        for q in numba.prange(q0, q0 + want):
+            slot_of[load_ids[q]] = load_slots[q]
     for q in numba.prange(load_ptr[num_steps]):  # 4.
         res_slots[load_pos[q]] = load_slots[q]
     for s in range(1, num_steps):

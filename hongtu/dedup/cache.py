@@ -110,41 +110,103 @@ def _scores(pm, width, key):
 
 
 @numba.njit(parallel=True, cache=True)
-def _gap_masks(cands, pm, masks):
-    """Bit ``s`` of ``masks[j]``: candidate ``cands[j]`` passes step ``s`` unread."""
-    for j in numba.prange(cands.shape[0]):
-        m = pm[cands[j]]
-        first, last = _first_last(m)
-        for w in range(masks.shape[1]):
-            masks[j, w] = _span_word(first, last, w) & ~m[w]
+def _mark_keys(key, bounds, seen):
+    """``seen[k]`` for every candidate key ``k`` present (``key >= 0``). (Written once
+    each: the threads share the few cache lines of ``seen``.)"""
+    for w in numba.prange(bounds.shape[0] - 1):
+        for u in range(bounds[w], bounds[w + 1]):
+            if key[u] >= 0 and not seen[key[u]]:
+                seen[key[u]] = True
+
+
+@numba.njit(parallel=True, cache=True)
+def _count_ranks(key, rank_of, bounds, counts):
+    """``counts[w, r]``: candidates of row block ``w`` whose key has rank ``r``."""
+    for w in numba.prange(bounds.shape[0] - 1):
+        for u in range(bounds[w], bounds[w + 1]):
+            if key[u] >= 0:
+                counts[w, rank_of[key[u]]] += 1
+
+
+@numba.njit(parallel=True, cache=True)
+def _place_candidates(key, rank_of, pm, bounds, offs, ids, masks):
+    """Write each candidate at its place in score order (``offs[w, r]``: the next
+    place of block ``w``'s candidates of rank ``r``), with the mask of its gap
+    steps (bit ``s`` of ``masks[j]``: candidate ``ids[j]`` passes step ``s``
+    unread). Blocks and rows within them go in id order, so ties stay in id
+    order, and ``pm`` is read row after row."""
+    for w in numba.prange(bounds.shape[0] - 1):
+        for u in range(bounds[w], bounds[w + 1]):
+            if key[u] < 0:
+                continue
+            r = rank_of[key[u]]
+            j = offs[w, r]
+            offs[w, r] = j + 1
+            ids[j] = u
+            m = pm[u]
+            first, last = _first_last(m)
+            for k in range(masks.shape[1]):
+                masks[j, k] = _span_word(first, last, k) & ~m[k]
+
+
+@numba.njit(parallel=True, cache=True)
+def _gap_counts(masks, owner, num_steps, bounds, counts):
+    """``counts[b, d * num_steps + s]``: candidates of block ``b`` (of the order)
+    on device ``d`` passing step ``s`` unread."""
+    for b in numba.prange(bounds.shape[0] - 1):
+        for i in range(bounds[b], bounds[b + 1]):
+            base = owner[i] * num_steps
+            for w in range(masks.shape[1]):
+                x = masks[i, w]
+                while x != 0:
+                    counts[b, base + 64 * w + lowest_bit(x)] += 1
+                    x &= x - _ONE
 
 
 @numba.njit(cache=True)
-def _counting_order(rank_of, pair, num_ranks):
-    """Stable order of ``pair`` by ``rank_of[pair]`` (ascending, in ``[0, num_ranks)``)."""
-    start = np.zeros(num_ranks + 1, dtype=np.int64)
-    for p in pair:
-        start[rank_of[p] + 1] += 1
-    for k in range(num_ranks):
-        start[k + 1] += start[k]
-    order = np.empty(pair.shape[0], dtype=np.int64)
-    for j in range(pair.shape[0]):
-        k = rank_of[pair[j]]
-        order[start[k]] = j
-        start[k] += 1
-    return order
+def _first_refusal(masks, owner, num_steps, room, bounds, counts):
+    """The first candidate the greedy refuses (``masks.shape[0]`` if none).
+
+    Until it, the greedy takes every candidate, so a step of device ``d``
+    refuses the first candidate to pass it after ``room[d, s]`` others have
+    (the first at all when ``room`` is 0 or less). ``counts``
+    (:func:`_gap_counts`) finds the block of that candidate, one scan of the
+    block its place in it.
+    """
+    first = masks.shape[0]
+    for d in range(room.shape[0]):
+        for s in range(num_steps):
+            need = max(room[d, s], 0) + 1  # the one refused: this many pass s
+            c = d * num_steps + s
+            seen = 0
+            for b in range(bounds.shape[0] - 1):
+                if bounds[b] >= first:
+                    break
+                if seen + counts[b, c] < need:
+                    seen += counts[b, c]
+                    continue
+                bit = _ONE << np.uint64(s & 63)
+                for i in range(bounds[b], min(bounds[b + 1], first)):
+                    if owner[i] == d and masks[i, s >> 6] & bit:
+                        seen += 1
+                        if seen == need:
+                            first = i
+                            break
+                break
+    return first
 
 
 @numba.njit(cache=True)
-def _greedy(masks, owner, room, full, take):
-    """Take each candidate, in order, whose gap steps all have a free slot left.
+def _greedy(masks, owner, room, full, take, start):
+    """Take each candidate from ``start`` on, in order, whose gap steps all have a
+    free slot left.
 
     ``full[d]`` marks the steps of device ``d`` with none, so a candidate is
     checked in one AND per 64 steps; a taken one spends a slot at each of its
     gap steps.
     """
     kept = 0
-    for i in range(masks.shape[0]):
+    for i in range(start, masks.shape[0]):
         d = owner[i]
         fits = True
         for w in range(masks.shape[1]):
@@ -196,20 +258,63 @@ def _extended(pm, keep, bounds, offs, out, fill):
                     x &= x - _ONE
 
 
-def _score_order(pair: np.ndarray, width: int) -> np.ndarray:
-    """Candidates best first by saving per slot, ``runs / gaps``, ties by position
-    (``pair = runs * width + gaps``, runs here already minus one).
+def _score_order(key: np.ndarray, pm: np.ndarray, bounds: np.ndarray, width: int):
+    """``(ids, masks)``: the candidates (``key >= 0``) best first by saving per slot,
+    ``runs / gaps``, ties by id (``key = runs * width + gaps``, runs here already
+    minus one), and the mask of each one's gap steps.
 
-    A stable counting sort on the rank of each pair's value: the pairs are
-    few (both below the step count), the candidates many.
+    A counting sort on the rank of each key's value, in parallel over row
+    blocks: the keys are few (both parts below the step count), the
+    candidates many.
     """
-    present = np.flatnonzero(np.bincount(pair, minlength=1))
+    steps = width - 1
+    seen = np.zeros((steps // 2 + 2) * width, dtype=np.bool_)
+    _mark_keys(key, bounds, seen)
+    present = np.flatnonzero(seen)
     # Equal fractions are equal doubles (division is correctly rounded): one rank.
     values = (present // width) / (present % width)
     uniq, rank = np.unique(-values, return_inverse=True)
-    key = np.zeros(int(present[-1]) + 1, dtype=_I64)
-    key[present] = rank
-    return _counting_order(key, pair, uniq.shape[0])
+    rank_of = np.zeros(seen.shape[0], dtype=_I64)
+    rank_of[present] = rank.ravel()
+    counts = np.zeros((bounds.shape[0] - 1, uniq.shape[0]), dtype=_I64)
+    _count_ranks(key, rank_of, bounds, counts)
+    # Place of block w's first candidate of rank r: ranks first, then blocks.
+    flat = counts.T.ravel()
+    offs = (np.cumsum(flat) - flat).reshape(counts.T.shape).T.copy()
+    num = int(flat.sum())
+    ids = np.empty(num, dtype=_I64)
+    masks = np.empty((num, pm.shape[1]), dtype=_U64)
+    _place_candidates(key, rank_of, pm, bounds, offs, ids, masks)
+    return ids, masks
+
+
+def _take(masks: np.ndarray, owner: np.ndarray, room: np.ndarray, full: np.ndarray,
+          take: np.ndarray) -> int:
+    """The greedy choice (:func:`_greedy`) into ``take``; ``room``/``full`` are spent.
+
+    The candidates before the first the greedy refuses are taken in bulk (their
+    gap steps counted in parallel), so only the rest is walked one by one.
+    """
+    num, num_steps = masks.shape[0], room.shape[1]
+    bounds = np.linspace(0, num, max(1, min(num, 4 * numba.get_num_threads())) + 1
+                         ).astype(_I64)
+    counts = np.zeros((bounds.shape[0] - 1, room.shape[0] * num_steps), dtype=_I64)
+    _gap_counts(masks, owner, num_steps, bounds, counts)
+    start = _first_refusal(masks, owner, num_steps, room, bounds, counts)
+    if start > 0:
+        take[:start] = True
+        spent = np.zeros(room.size, dtype=_I64)
+        b = int(np.searchsorted(bounds, start, side="right")) - 1  # block holding start
+        spent += counts[:b].sum(axis=0)
+        if start > bounds[b]:
+            part = np.zeros((1, room.size), dtype=_I64)
+            _gap_counts(masks[bounds[b]:start], owner[bounds[b]:start], num_steps,
+                        np.array([0, start - bounds[b]], dtype=_I64), part)
+            spent += part[0]
+        room -= spent.reshape(room.shape)
+        for d, t in zip(*np.nonzero(room <= 0)):
+            full[d, t >> 6] |= _U64(1) << _U64(t & 63)
+    return start + _greedy(masks, owner, room, full, take, start)
 
 
 class KeptRows(NamedTuple):
@@ -229,7 +334,8 @@ class KeptRows(NamedTuple):
 
 
 def _select(t_ptr, t_ids, num_nodes, extra, part_ptr):
-    """The greedy selection: ``(pm, bounds, kept ids, sizes with kept rows)``, or ``None``."""
+    """The greedy selection: ``(pm, bounds, keep, kept, sizes with kept rows)`` (``keep``:
+    a flag per row), or ``None``."""
     t_ptr = np.ascontiguousarray(t_ptr, dtype=_I64)
     t_ids = np.ascontiguousarray(t_ids)
     num_steps = t_ptr.shape[0] - 1
@@ -243,16 +349,13 @@ def _select(t_ptr, t_ids, num_nodes, extra, part_ptr):
     pm = np.zeros((num_nodes, words), dtype=_U64)  # the steps reading each row
     _presence(t_ptr, t_ids, bounds, pm)
     width = num_steps + 1  # above any gap count
-    key = np.empty(num_nodes, dtype=_I64)
+    key = np.empty(num_nodes, dtype=np.int32)  # (below num_steps**2 / 2 + width)
     _scores(pm, width, key)
-    cands = np.flatnonzero(key >= 0)
+    # Saving per slot spent, best first; ties in id order.
+    cands, masks = _score_order(key, pm, bounds, width)
+    del key
     if cands.size == 0:
         return None
-    # Saving per slot spent, best first; ties in id order.
-    cands = cands[_score_order(key[cands], width)]
-    del key
-    masks = np.empty((cands.shape[0], words), dtype=_U64)
-    _gap_masks(cands, pm, masks)
     # Set sizes per device and step: room = largest + extra - this one.
     sizes = np.empty((devices, num_steps), dtype=_I64)
     for s in range(num_steps):
@@ -266,16 +369,24 @@ def _select(t_ptr, t_ids, num_nodes, extra, part_ptr):
     owner = np.zeros(cands.shape[0], dtype=_I64) if devices == 1 else \
         np.searchsorted(part_ptr, cands, side="right").astype(_I64) - 1
     take = np.zeros(cands.shape[0], dtype=np.bool_)
-    if _greedy(masks, owner, room, full, take) == 0:
+    kept = _take(masks, owner, room, full, take)
+    if kept == 0:
         return None
-    return pm, bounds, cands[take], top - room
+    keep = np.zeros(num_nodes, dtype=np.bool_)
+    keep[cands[take]] = True
+    return pm, bounds, keep, kept, top - room
 
 
 @numba.njit(parallel=True, cache=True)
-def _spans(pm, ids, first, last):
-    """``first[u]``, ``last[u]``: the first and last step reading each row ``u`` of ``ids``."""
-    for j in numba.prange(ids.shape[0]):
-        first[ids[j]], last[ids[j]] = _first_last(pm[ids[j]])
+def _spans(pm, keep, bounds, first, last):
+    """``first[u]``, ``last[u]``: the first and last step reading each kept row ``u``
+    (``-1`` for the others), row block by row block."""
+    for w in numba.prange(bounds.shape[0] - 1):
+        for u in range(bounds[w], bounds[w + 1]):
+            if keep[u]:
+                first[u], last[u] = _first_last(pm[u])
+            else:
+                first[u], last[u] = -1, -1
 
 
 def choose_kept_rows(t_ptr: np.ndarray, t_ids: np.ndarray, num_nodes: int, extra: int,
@@ -291,11 +402,11 @@ def choose_kept_rows(t_ptr: np.ndarray, t_ids: np.ndarray, num_nodes: int, extra
     picked = _select(t_ptr, t_ids, num_nodes, extra, part_ptr)
     if picked is None:
         return None
-    pm, _, ids, sizes = picked
-    first = np.full(num_nodes, -1, dtype=np.int32)
-    last = np.full(num_nodes, -1, dtype=np.int32)
-    _spans(pm, ids, first, last)
-    return KeptRows(first, last, sizes, int(ids.shape[0]))
+    pm, bounds, keep, kept, sizes = picked
+    first = np.empty(num_nodes, dtype=np.int32)
+    last = np.empty(num_nodes, dtype=np.int32)
+    _spans(pm, keep, bounds, first, last)
+    return KeptRows(first, last, sizes, kept)
 
 
 def keep_reused_rows(t_ptr: np.ndarray, t_ids: np.ndarray, num_nodes: int, extra: int,
@@ -325,10 +436,8 @@ def keep_reused_rows(t_ptr: np.ndarray, t_ids: np.ndarray, num_nodes: int, extra
     picked = _select(t_ptr, t_ids, num_nodes, extra, part_ptr)
     if picked is None:
         return t_ptr, t_ids, 0
-    pm, bounds, ids, _ = picked
+    pm, bounds, keep, kept, _ = picked
     num_steps = t_ptr.shape[0] - 1
-    keep = np.zeros(num_nodes, dtype=np.bool_)
-    keep[ids] = True
     # Each step's set with the kept rows passing through it, in one transposition.
     offs = np.zeros((bounds.shape[0] - 1, num_steps), dtype=_I64)
     none = np.empty(0, dtype=t_ids.dtype)
@@ -338,4 +447,4 @@ def keep_reused_rows(t_ptr: np.ndarray, t_ids: np.ndarray, num_nodes: int, extra
     offs = np.cumsum(offs, axis=0) - offs + new_ptr[:-1]
     new_ids = np.empty(int(new_ptr[-1]), dtype=t_ids.dtype)
     _extended(pm, keep, bounds, offs, new_ids, True)
-    return new_ptr, new_ids, int(ids.shape[0])
+    return new_ptr, new_ids, kept

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 from hongtu.dedup import _kernels as K
@@ -79,6 +80,12 @@ def _lookup(q_vals, q_start, q_stop, r_vals, r_start, r_stop, r_slots, lo, hi, r
     return ptr, out
 
 
+#: Fewest rows of a step's set per piece of the slot walk's parallel phases
+#: (:func:`_kernels.piece_bounds`): steps are cut into pieces so that there are
+#: several tasks per thread even when the steps are few.
+PIECE_ROWS = 2048
+
+
 def _assign(vals, start, stop, reuse, num_slots, num_nodes, res_slots, slot_dtype,
             flags: np.ndarray | None = None):
     """Run :func:`_kernels.assign_marks` and :func:`_kernels.assign_slots` for one
@@ -89,19 +96,33 @@ def _assign(vals, start, stop, reuse, num_slots, num_nodes, res_slots, slot_dtyp
         raise ValueError("kept rows need reuse: a row is kept in place between its reads")
     flags = np.empty(0, dtype=np.int8) if flags is None else flags
     steps = start.shape[0]
-    load_ptr = np.zeros(steps + 1, dtype=_I64)
-    flush_ptr = np.zeros(steps + 1, dtype=_I64)
-    K.assign_marks(vals, start, stop, bool(reuse), flags, res_slots, load_ptr, flush_ptr)
-    loads, flushes = int(load_ptr[-1]), int(flush_ptr[-1])
-    load_ids = np.empty(loads, dtype=vals.dtype)
-    load_slots = np.empty(loads, dtype=slot_dtype)
-    flush_ids = np.empty(flushes, dtype=vals.dtype)
-    flush_slots = np.empty(flushes, dtype=slot_dtype)
+    longest = int((stop - start).max()) if steps else 0
+    pieces = max(1, min(-(-8 * numba.get_num_threads() // max(steps, 1)),
+                        longest // PIECE_ROWS))
+    pa = np.empty((steps, pieces + 1), dtype=_I64)
+    pb = np.zeros((steps, pieces + 1), dtype=_I64)
+    K.piece_bounds(vals, start, stop, pa, pb)
+    loads = np.zeros((steps, pieces), dtype=_I64)
+    flushes = np.zeros((steps, pieces), dtype=_I64)
+    K.assign_marks(vals, start, stop, bool(reuse), flags, res_slots, pa, pb, loads, flushes)
+
+    def offsets(counts):  # (per-step pointers, first place of every piece)
+        flat = np.zeros(counts.size + 1, dtype=_I64)
+        np.cumsum(counts.ravel(), out=flat[1:])
+        return flat[::pieces].copy(), flat[:-1].reshape(counts.shape)
+
+    load_ptr, load_offs = offsets(loads)
+    flush_ptr, flush_offs = offsets(flushes)
+    load_ids = np.empty(int(load_ptr[-1]), dtype=vals.dtype)
+    load_slots = np.empty(load_ids.shape[0], dtype=slot_dtype)
+    flush_ids = np.empty(int(flush_ptr[-1]), dtype=vals.dtype)
+    flush_slots = np.empty(flush_ids.shape[0], dtype=slot_dtype)
     K.assign_slots(vals, start, stop, flags,
-                   np.zeros(num_slots // 64 + 2, dtype=np.uint64),  # a bit per slot
+                   np.zeros(max(num_slots, 1), dtype=np.uint8),  # a byte per slot
                    np.empty(num_nodes, dtype=slot_dtype), res_slots,
-                   np.empty(loads, dtype=res_slots.dtype), load_ptr, load_ids, load_slots,
-                   flush_ptr, flush_ids, flush_slots)
+                   np.empty(load_ids.shape[0], dtype=res_slots.dtype), pa, pb, load_offs,
+                   flush_offs, load_ptr, load_ids, load_slots, flush_ptr, flush_ids,
+                   flush_slots)
     return load_ptr, load_ids, load_slots, flush_ptr, flush_ids, flush_slots
 
 

@@ -159,7 +159,8 @@ class Chunkings:
     def __init__(self, graph: Graph, assignment: np.ndarray, num_parts: int) -> None:
         self.graph = graph
         self.chunker = Chunker(graph, assignment, num_parts)
-        self._cum = np.asarray(graph.indptr, dtype=np.int64) - graph.indptr[0] \
+        indptr = np.asarray(graph.indptr, dtype=np.int64)
+        self._cum = (indptr if indptr[0] == 0 else indptr - indptr[0]) \
             if self.chunker.ordered else _in_edge_prefix(graph, self.chunker.perm)
         self._cut: dict[int, tuple[Partition, ChunkSizes]] = {}
         self._segments: tuple[np.ndarray, np.ndarray] | None = None
@@ -220,15 +221,18 @@ def choose_chunks(graph: Graph, assignment: np.ndarray, num_parts: int, model: G
     if budget is None:
         return cands[0], need(0)
     # Counts whose bound (no pass over the edges) misses the budget cannot fit:
-    # start at the first that might, gallop up to one that fits, then bisect
-    # the last step (the estimate falls as chunks grow).
+    # start at the first that might, walk up to one that fits (by one count
+    # twice, as the bound's start is most often one or two short, then by
+    # doubling steps), then bisect the last step (the estimate falls as
+    # chunks grow). Every count tried costs a pass over the edges.
     last = len(cands) - 1
     start = next((i for i in range(len(cands))
                   if estimate_of(chunkings.bound(cands[i])) <= budget), None)
     if start is not None:
         lo, hi, step = start - 1, start, 1
         while need(hi) > budget and hi < last:
-            lo, hi, step = hi, min(last, hi + step), 2 * step
+            lo, hi = hi, min(last, hi + step)
+            step = 2 * step if hi - start >= 2 else step
         if need(hi) <= budget:
             while hi - lo > 1:
                 mid = (lo + hi) // 2

@@ -322,7 +322,7 @@ def unique_union(values: np.ndarray, gptr: np.ndarray, seg_start: np.ndarray,
         np.cumsum(seg_stop - seg_start, out=seg_ptr[1:])
     seg_ptr = np.ascontiguousarray(seg_ptr, dtype=np.int64)
     room = max(1, _BITS_BYTES // (8 * words))  # rows a wave may hold
-    pieces = max(1, min(-(-2 * threads // num_groups), room))
+    pieces = max(1, min(-(-4 * threads // num_groups), room))
     per_wave = max(1, room // pieces)
     block = 4096
     nblocks = -(-words // block)

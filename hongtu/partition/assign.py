@@ -65,11 +65,15 @@ def balanced_cuts(weights: np.ndarray, k: int, min_size: int = 1) -> np.ndarray:
 
 
 def prefix_cuts(prefix: np.ndarray, k: int, min_size: int = 1) -> np.ndarray:
-    """:func:`balanced_cuts` from the weights' prefix sums (``prefix[0] == 0``), so
-    cutting one sequence for many ``k`` sums it once."""
+    """:func:`balanced_cuts` from the weights' prefix sums (``prefix[0] == 0``; float, or
+    integer below 2**53, or an :class:`OffsetPrefix`), so cutting one sequence for many
+    ``k`` sums it once."""
     size = int(prefix.shape[0]) - 1
-    targets = prefix[-1] * np.arange(1, k, dtype=np.float64) / k
-    hi = np.clip(np.searchsorted(prefix, targets, side="left"), 1, size)
+    targets = float(prefix[-1]) * np.arange(1, k, dtype=np.float64) / k
+    # (An integer prefix is searched for the targets rounded up, which finds
+    # the same positions without casting the prefix to float.)
+    probe = np.ceil(targets).astype(prefix.dtype) if prefix.dtype.kind in "iu" else targets
+    hi = np.clip(prefix.searchsorted(probe, side="left"), 1, size)
     lo = hi - 1
     cut = np.where(prefix[hi] - targets <= targets - prefix[lo], hi, lo)
     bounds = np.concatenate(([0], cut, [size])).astype(np.int64)
@@ -80,6 +84,37 @@ def prefix_cuts(prefix: np.ndarray, k: int, min_size: int = 1) -> np.ndarray:
     for t in range(k - 1, 0, -1):
         bounds[t] = min(bounds[t], bounds[t + 1] - min_size)
     return bounds
+
+
+class OffsetPrefix:
+    """:func:`prefix_cuts`' prefix of the weights ``in-degree + 1`` of vertices ``a..b``,
+    read from the in-edge offsets as it is needed (``prefix[i] = indptr[a + i] -
+    indptr[a] + i``, strictly increasing) instead of written out."""
+
+    dtype = np.dtype(np.int64)
+
+    def __init__(self, indptr: np.ndarray, a: int, b: int) -> None:
+        self._ptr = np.asarray(indptr, dtype=np.int64)[a:b + 1]
+        self.shape = (b - a + 1,)
+
+    def __getitem__(self, i):
+        i = np.asarray(i)
+        i = np.where(i < 0, i + self.shape[0], i)
+        return self._ptr[i] - self._ptr[0] + i
+
+    def searchsorted(self, values: np.ndarray, side: str = "left") -> np.ndarray:
+        """``np.searchsorted`` of ``values`` (``side='left'``), by bisection on all at once."""
+        if side != "left":
+            raise ValueError("only side='left' is supported")
+        values = np.asarray(values)
+        lo = np.zeros(values.shape, dtype=np.int64)
+        hi = np.full(values.shape, self.shape[0], dtype=np.int64)
+        while np.any(lo < hi):
+            mid = (lo + hi) // 2
+            below = (lo < hi) & (self[np.minimum(mid, self.shape[0] - 1)] < values)
+            lo = np.where(below, mid + 1, lo)
+            hi = np.where(below | (lo >= hi), hi, mid)
+        return lo
 
 
 def _vertex_weights(graph: Graph) -> np.ndarray:

@@ -17,7 +17,7 @@ import numpy as np
 
 from hongtu.errors import UserError
 from hongtu.graph import Graph
-from hongtu.partition.assign import assign_parts, prefix_cuts
+from hongtu.partition.assign import OffsetPrefix, assign_parts, prefix_cuts
 
 __all__ = ["Chunker", "Partition", "chunk_partition", "partition_graph"]
 
@@ -126,33 +126,38 @@ class Chunker:
         if n_nodes and (assignment.min() < 0 or assignment.max() >= num_parts):
             raise ValueError(f"assignment has part ids outside 0..{num_parts - 1}")
         self.num_parts, self.method, self.seed = int(num_parts), method, int(seed)
-        self.part_sizes = np.bincount(assignment, minlength=self.num_parts)
         # Stable sort: within a part, vertices keep their original relative order.
         ordered = n_nodes == 0 or bool(np.all(assignment[1:] >= assignment[:-1]))
         #: the parts are already in id order: ``perm`` is the identity
         self.ordered = ordered
-        if ordered:  # one part, or range parts: no renumbering
-            self.perm = np.arange(n_nodes, dtype=np.int64)
-        elif self.num_parts <= 16:  # a pass per part beats a sort
-            self.perm = np.concatenate([np.flatnonzero(assignment == i)
-                                        for i in range(self.num_parts)]).astype(np.int64)
+        if ordered:  # one part, or range parts: no renumbering (perm is its own inverse)
+            self.part_sizes = np.diff(np.searchsorted(
+                assignment, np.arange(self.num_parts + 1), side="left")).astype(np.int64)
+            self.perm = self.inv = np.arange(n_nodes, dtype=np.int64)
         else:
-            self.perm = np.argsort(assignment, kind="stable").astype(np.int64)
-        if ordered:
-            self.inv = np.arange(n_nodes, dtype=np.int64)
-        else:
+            self.part_sizes = np.bincount(assignment, minlength=self.num_parts)
+            if self.num_parts <= 16:  # a pass per part beats a sort
+                self.perm = np.concatenate([np.flatnonzero(assignment == i)
+                                            for i in range(self.num_parts)]).astype(np.int64)
+            else:
+                self.perm = np.argsort(assignment, kind="stable").astype(np.int64)
             self.inv = np.empty(n_nodes, dtype=np.int64)
             self.inv[self.perm] = np.arange(n_nodes, dtype=np.int64)
         self.part_ptr = np.zeros(self.num_parts + 1, dtype=np.int64)
         np.cumsum(self.part_sizes, out=self.part_ptr[1:])
-        # Each part's running in-edge weight, summed once for every count cut.
-        weights = graph.in_degree() + 1
-        weights = weights if ordered else weights[self.perm]
+        # Each part's running weight (in-edges plus one per vertex), summed once
+        # for every count cut; in id order that is the in-edge offsets plus ids.
+        indptr = np.asarray(graph.indptr, dtype=np.int64)
+        if not ordered:
+            cum = np.zeros(n_nodes + 1, dtype=np.int64)
+            np.cumsum(np.diff(indptr)[self.perm] + 1, out=cum[1:])
         self._prefix = []
         for i in range(self.num_parts):
-            a, b = self.part_ptr[i], self.part_ptr[i + 1]
-            prefix = np.zeros(b - a + 1, dtype=np.float64)
-            np.cumsum(weights[a:b], out=prefix[1:])
+            a, b = int(self.part_ptr[i]), int(self.part_ptr[i + 1])
+            if ordered:
+                prefix = OffsetPrefix(indptr, a, b)  # (not written out: big graphs)
+            else:
+                prefix = cum[a:b + 1] - cum[a]
             self._prefix.append(prefix)
 
     def cut(self, num_chunks: int) -> Partition:

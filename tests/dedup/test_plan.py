@@ -439,16 +439,20 @@ def test_kept_rows_match_the_spelled_out_selection(steps, devices, extra):
 @pytest.mark.parametrize("steps", [5, 64, 65, 130])
 @pytest.mark.parametrize("extra", [2, 50])
 @pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
-def test_kept_rows_walk_equals_the_extended_sets(steps, extra, parallel, monkeypatch):
+@pytest.mark.parametrize("pieces", [False, True], ids=["whole-steps", "pieces"])
+def test_kept_rows_walk_equals_the_extended_sets(steps, extra, parallel, pieces, monkeypatch):
     """The planner's slot walk on the sets as they are, holding kept rows through
     their gaps, gives the loads, flushes and slots of the walk on the sets
-    extended by the kept rows (keep_reused_rows), in both kernel variants."""
+    extended by the kept rows (keep_reused_rows), in both kernel variants, with
+    the walk's steps merged whole or in value pieces."""
+    from hongtu.dedup import plan as plan_mod
     from hongtu.dedup.cache import choose_kept_rows, keep_reused_rows
     from hongtu.dedup.plan import _assign, _flags
     from hongtu.graph import _kernels as graph_kernels
 
     if parallel:
         monkeypatch.setattr(graph_kernels, "SERIAL_BELOW", 0)
+    monkeypatch.setattr(plan_mod, "PIECE_ROWS", 1 if pieces else 1 << 40)
     rng = np.random.default_rng(steps + extra)
     num_nodes = 60
     sets = [sorted(rng.choice(num_nodes, rng.integers(1, 20), replace=False).tolist())
@@ -521,13 +525,17 @@ def py_slots(sets, reuse):
 
 @pytest.mark.parametrize("reuse", [True, False])
 @pytest.mark.parametrize("serial", [True, False])
-def test_slot_assignment_is_lowest_free(monkeypatch, reuse, serial):
+@pytest.mark.parametrize("pieces", [False, True], ids=["whole-steps", "pieces"])
+def test_slot_assignment_is_lowest_free(monkeypatch, reuse, serial, pieces):
     """The two-pass slot assignment (parallel merges, sequential placement of loads and
     flushes only) places rows exactly as the one-pass rule does, for segments stored in
-    any order in the base array (the planner's no-p2p case)."""
+    any order in the base array (the planner's no-p2p case), with every step's set
+    merged whole or cut into value pieces (empty pieces and sets included)."""
+    from hongtu.dedup import plan as plan_mod
     from hongtu.dedup.plan import _assign
 
     monkeypatch.setattr(graph_kernels, "SERIAL_BELOW", 1 << 40 if serial else 0)
+    monkeypatch.setattr(plan_mod, "PIECE_ROWS", 1 if pieces else 1 << 40)
     rng = np.random.default_rng(3)
     for trial in range(20):
         steps = int(rng.integers(1, 9))

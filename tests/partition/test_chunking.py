@@ -16,7 +16,7 @@ from hongtu.partition import (
     chunk_partition,
     partition_graph,
 )
-from hongtu.partition.assign import balanced_cuts
+from hongtu.partition.assign import OffsetPrefix, balanced_cuts, prefix_cuts
 
 
 def check_invariants(graph, p: Partition) -> None:
@@ -102,6 +102,57 @@ def test_balanced_cuts_min_size_and_skew():
     assert np.array_equal(b, [0, 2, 4, 6, 8, 10])
     with pytest.raises(ValueError):
         balanced_cuts(np.ones(3), 4)
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_chunker_cuts_are_balanced_cuts_of_each_part(make_random_graph, ordered):
+    """Each part's chunks are :func:`balanced_cuts` of its vertices' in-degree + 1 (float
+    weights), whether the parts are id ranges (no renumbering: integer prefix sums
+    from the offsets) or not; part sizes count a part of one vertex and an empty one."""
+    g = make_random_graph(400, 3000, seed=5)
+    rng = np.random.default_rng(1)
+    sizes = [1, 0, 150, 249]
+    assignment = np.repeat(np.arange(4), sizes)
+    if not ordered:
+        assignment = rng.permutation(assignment)
+    chunker = Chunker(g, assignment, 4)
+    assert chunker.ordered == ordered
+    assert chunker.part_sizes.tolist() == sizes
+    if ordered:
+        assert np.array_equal(chunker.perm, np.arange(g.num_nodes))
+    with pytest.raises(UserError, match="part 1 has 0 vertices"):
+        chunker.cut(1)
+    big = Chunker(g, np.repeat(np.arange(2), [150, 250]) if ordered
+                  else rng.permutation(np.repeat(np.arange(2), [150, 250])), 2)
+    for n in (1, 3, 7, 64):
+        p = big.cut(n)
+        check_invariants(g, p)
+        w = (g.in_degree() + 1)[p.perm].astype(np.float64)
+        for i in range(2):
+            a, b = p.part_ptr[i], p.part_ptr[i + 1]
+            assert np.array_equal(p.chunk_ptr[i * n:(i + 1) * n + 1] - a,
+                                  balanced_cuts(w[a:b], n)), (n, i)
+
+
+def test_prefix_cuts_of_integer_prefix_equal_float():
+    """An integer prefix (searched for its targets rounded up), and the same prefix read
+    from in-edge offsets (OffsetPrefix: weights in-degree + 1 of an id range), cut
+    exactly as the prefix in float does, ties and targets between two sums included."""
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        size = int(rng.integers(1, 60))
+        deg = rng.integers(0, 3, size=size + 7)
+        indptr = np.concatenate(([0], np.cumsum(deg))).astype(np.int64)
+        a = int(rng.integers(0, 7))
+        prefix = np.concatenate(([0], np.cumsum(deg[a:a + size] + 1))).astype(np.int64)
+        offsets = OffsetPrefix(indptr, a, a + size)
+        probe = np.arange(-1, int(prefix[-1]) + 3)
+        assert np.array_equal(offsets.searchsorted(probe), np.searchsorted(prefix, probe))
+        assert np.array_equal(offsets[np.arange(size + 1)], prefix) and offsets[-1] == prefix[-1]
+        for k in range(1, size + 1):
+            as_float = prefix_cuts(prefix.astype(np.float64), k)
+            assert np.array_equal(prefix_cuts(prefix, k), as_float), (trial, k)
+            assert np.array_equal(prefix_cuts(offsets, k), as_float), (trial, k)
 
 
 @pytest.mark.parametrize("method", METHODS)
