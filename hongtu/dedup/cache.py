@@ -349,7 +349,9 @@ def _select(t_ptr, t_ids, num_nodes, extra, part_ptr):
     pm = np.zeros((num_nodes, words), dtype=_U64)  # the steps reading each row
     _presence(t_ptr, t_ids, bounds, pm)
     width = num_steps + 1  # above any gap count
-    key = np.empty(num_nodes, dtype=np.int32)  # (below num_steps**2 / 2 + width)
+    # (keys stay below (num_steps // 2 + 1) * width: int32 unless the steps are many)
+    small = (num_steps // 2 + 2) * width < np.iinfo(np.int32).max
+    key = np.empty(num_nodes, dtype=np.int32 if small else _I64)
     _scores(pm, width, key)
     # Saving per slot spent, best first; ties in id order.
     cands, masks = _score_order(key, pm, bounds, width)
