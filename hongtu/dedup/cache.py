@@ -44,7 +44,7 @@ _ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
 def _row_blocks(num_nodes: int) -> np.ndarray:
-    """Contiguous row ranges for the parallel kernels (a few per thread)."""
+    """Contiguous ranges of ``num_nodes`` items for the parallel kernels (a few per thread)."""
     blocks = max(1, min(num_nodes, 4 * numba.get_num_threads()))
     return np.linspace(0, num_nodes, blocks + 1).astype(_I64)
 
@@ -288,6 +288,12 @@ def _score_order(key: np.ndarray, pm: np.ndarray, bounds: np.ndarray, width: int
     return ids, masks
 
 
+def _mark_full(room: np.ndarray, full: np.ndarray) -> None:
+    """Set bit ``s`` of ``full[d]`` for every step of device ``d`` with no room left."""
+    for d, t in zip(*np.nonzero(room <= 0)):
+        full[d, t >> 6] |= _U64(1) << _U64(t & 63)
+
+
 def _take(masks: np.ndarray, owner: np.ndarray, room: np.ndarray, full: np.ndarray,
           take: np.ndarray) -> int:
     """The greedy choice (:func:`_greedy`) into ``take``; ``room``/``full`` are spent.
@@ -296,8 +302,7 @@ def _take(masks: np.ndarray, owner: np.ndarray, room: np.ndarray, full: np.ndarr
     gap steps counted in parallel), so only the rest is walked one by one.
     """
     num, num_steps = masks.shape[0], room.shape[1]
-    bounds = np.linspace(0, num, max(1, min(num, 4 * numba.get_num_threads())) + 1
-                         ).astype(_I64)
+    bounds = _row_blocks(num)  # (blocks of the candidates, in their order)
     counts = np.zeros((bounds.shape[0] - 1, room.shape[0] * num_steps), dtype=_I64)
     _gap_counts(masks, owner, num_steps, bounds, counts)
     start = _first_refusal(masks, owner, num_steps, room, bounds, counts)
@@ -312,8 +317,7 @@ def _take(masks: np.ndarray, owner: np.ndarray, room: np.ndarray, full: np.ndarr
                         np.array([0, start - bounds[b]], dtype=_I64), part)
             spent += part[0]
         room -= spent.reshape(room.shape)
-        for d, t in zip(*np.nonzero(room <= 0)):
-            full[d, t >> 6] |= _U64(1) << _U64(t & 63)
+        _mark_full(room, full)
     return start + _greedy(masks, owner, room, full, take, start)
 
 
@@ -366,8 +370,7 @@ def _select(t_ptr, t_ids, num_nodes, extra, part_ptr):
     top = sizes.max(axis=1, keepdims=True) + int(extra)
     room = top - sizes
     full = np.zeros((devices, masks.shape[1]), dtype=_U64)
-    for d, s in zip(*np.nonzero(room <= 0)):
-        full[d, s >> 6] |= _U64(1) << _U64(s & 63)
+    _mark_full(room, full)
     owner = np.zeros(cands.shape[0], dtype=_I64) if devices == 1 else \
         np.searchsorted(part_ptr, cands, side="right").astype(_I64) - 1
     take = np.zeros(cands.shape[0], dtype=np.bool_)

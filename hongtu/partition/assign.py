@@ -110,10 +110,11 @@ class OffsetPrefix:
         lo = np.zeros(values.shape, dtype=np.int64)
         hi = np.full(values.shape, self.shape[0], dtype=np.int64)
         while np.any(lo < hi):
+            active = lo < hi
             mid = (lo + hi) // 2
-            below = (lo < hi) & (self[np.minimum(mid, self.shape[0] - 1)] < values)
+            below = active & (self[np.minimum(mid, self.shape[0] - 1)] < values)
             lo = np.where(below, mid + 1, lo)
-            hi = np.where(below | (lo >= hi), hi, mid)
+            hi = np.where(active & ~below, mid, hi)
         return lo
 
 
