@@ -187,8 +187,11 @@ class EngineConfig:
     reorg: bool = _f(True, "reorganise chunks into batches to share neighbours (HongTu Alg. 4)")
     overlap: bool = _f(True, "GPU: move the next batch's rows while the current one computes")
     whole_layers: bool = _f(
-        True, "a layer whose rows fit the transition buffer moves all of them in one copy per "
+        True, "a layer whose rows fit the device row memory moves all of them in one copy per "
         "pass (one process)")
+    ordered_inputs: bool = _f(
+        True, "GPU: keep a pinned copy of the input features in the order the first layer "
+        "loads them (contiguous copies instead of a gather; costs host memory)")
     resident: Auto | bool = _f(
         "auto", "keep every buffer on the GPU (HongTu-IM); auto = when it fits device_memory")
     throughput: ThroughputConfig = _f(ThroughputConfig(), "link throughputs for the cost model")

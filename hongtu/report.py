@@ -147,6 +147,8 @@ class _Setting:
     order_name: str
     candidates: dict
     device_bytes: int
+    #: elements of the device row memory (:func:`~hongtu.engine.budget.grown_row_memory`)
+    row_elements: int
 
 
 def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict,
@@ -156,7 +158,9 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
     from hongtu.engine.budget import (
         chunk_sizes,
         estimate_device_bytes,
+        grown_row_memory,
         resident_block_bytes,
+        row_memory,
         spare_rows,
     )
 
@@ -192,7 +196,17 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
     plan = plan_transfers(g.indptr, g.indices, part.chunk_ptr, m, n, order=order,
                           reuse=e.dedup.reuse, p2p=e.dedup.p2p, devices=ctx["devices"],
                           row_bytes=rb, neighbours=nb, cache_rows=cache_rows)
-    return _Setting(part, plan, name, candidates, need_of(plan.plans))
+    # As training does: what the budget still leaves may let a layer move whole.
+    need, first, widths = need_of(plan.plans), plan.plans[0], ctx["model"].row_widths()
+    plan_rows = row_memory(first.buffer_rows, widths, first.max_later_load if e.overlap else 0)
+    budget, blocks = ctx["budget"], resident_block_bytes(sizes, ctx["itemsize"])
+    left = None if budget is None or not e.whole_layers else \
+        budget - need - (blocks if need + blocks <= budget else 0)
+    rows = grown_row_memory(plan_rows, left, graph.num_nodes, widths,
+                            int(first.load_ids.shape[0]), ctx["devices"] > 1, ctx["itemsize"],
+                            ordered_first=e.ordered_inputs and e.overlap)
+    return _Setting(part, plan, name, candidates, need + (rows - plan_rows) * ctx["itemsize"],
+                    rows)
 
 
 def _alternatives(n: int, smallest: int, chosen_list: list[int] | None) -> list[int]:
@@ -307,10 +321,11 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     main = _plan_chunks(graph, assignment, m, n, ctx)
     t["plan_s"] = time.perf_counter() - t0
 
-    def traffic_of(plan: TransferPlan) -> dict:
-        first = plan.plans[0]
-        whole = layers_moved_whole(graph.num_nodes, widths, first.buffer_rows,
-                                   int(first.load_ids.shape[0]), e.devices > 1) \
+    def traffic_of(s: _Setting) -> dict:
+        plan = s.plan
+        whole = layers_moved_whole(graph.num_nodes, widths, s.row_elements,
+                                   int(plan.plans[0].load_ids.shape[0]), e.devices > 1,
+                                   e.ordered_inputs and e.overlap) \
             if e.whole_layers else None
         return _traffic(widths, cached, needs_dst, itemsize, graph.num_nodes, plan.h2d_rows,
                         plan.d2h_rows, whole)
@@ -320,7 +335,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     smallest = int(np.bincount(assignment, minlength=m).min())
     for k in _alternatives(n, smallest, chunks_list):
         s = main if k == n else _plan_chunks(graph, assignment, m, k, ctx, compare=False)
-        tr = traffic_of(s.plan)
+        tr = traffic_of(s)
         memory.append({"chunks": k, "device_bytes": s.device_bytes,
                        "fits": None if budget is None else s.device_bytes <= budget,
                        "buffer_rows": max(p.buffer_rows for p in s.plan.plans),
@@ -330,7 +345,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
                        "lower_bound_s": _costs(s.plan, tr, tp, passes)["lower_bound_s"]})
     t["alternatives_s"] = time.perf_counter() - t0
     fitting = [r["chunks"] for r in memory if r["fits"]]
-    cands, traffic = main.candidates, traffic_of(main.plan)
+    cands, traffic = main.candidates, traffic_of(main)
     data = {
         "graph": info,
         "model": {"layers": [repr(x) for x in model.layers], "widths": widths,

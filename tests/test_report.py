@@ -16,6 +16,7 @@ from hongtu.calibrate import resolve_throughput
 from hongtu.config import load_config
 from hongtu.dedup import TransferPlan, plan_transfers
 from hongtu.dedup.sets import identity_order
+from hongtu.engine.budget import row_memory
 from hongtu.engine.executor import layers_moved_whole
 from hongtu.engine.trainer import Trainer, load_data
 from hongtu.errors import UserError
@@ -88,9 +89,12 @@ def test_json_volumes_equal_the_planner(capsys, tmp_path, report_json):
     cands = d["volumes"]["candidates"]
     assert cands[d["volumes"]["with_reorg"]]["cost_s"] <= cands["identity"]["cost_s"]
     # per-layer bytes are rows x width x 4: the plan's rows, or all of them for a
-    # layer whose rows fit the transition buffer's memory (layers_moved_whole)
+    # layer whose rows fit the device row memory (layers_moved_whole)
     dp = chosen.plans[0]
-    whole = layers_moved_whole(n, d["model"]["widths"], dp.buffer_rows, dp.load_ids.shape[0], False)
+    memory = row_memory(dp.buffer_rows, d["model"]["widths"], dp.max_later_load)
+    # (no budget: the plan's memory; the first layer's loads are ordered copies)
+    whole = layers_moved_whole(n, d["model"]["widths"], memory, dp.load_ids.shape[0], False,
+                               ordered_first=True)
     for layer, all_rows in zip(d["transfers"]["layers"], whole):
         assert layer["whole"] == all_rows
         rows = n if all_rows else chosen.h2d_rows
@@ -145,9 +149,10 @@ def _midpoint_budget(tmp_path) -> int:
 
 def test_memory_table_marks_fit_and_the_chosen_count(tmp_path):
     budget = _midpoint_budget(tmp_path)
-    # (Without kept rows: with them the spare budget of 16 chunks buys back the traffic.)
+    # (Without kept rows or whole layers: with them the spare budget of 16 chunks
+    # buys back the traffic.)
     cfg = load_config(CONFIG, base(tmp_path, f"engine.device_memory={budget}",
-                                   "engine.dedup.cache=false"))
+                                   "engine.dedup.cache=false", "engine.whole_layers=false"))
     d = build_report(cfg, parts_list=[]).data
     rows = {r["chunks"]: r for r in d["memory"]["rows"]}
     assert set(rows) == {1, 2, 4, 8, 16}  # n = 4 and about n/4, n/2, 2n, 4n
@@ -161,7 +166,9 @@ def test_memory_table_marks_fit_and_the_chosen_count(tmp_path):
 
 def test_spare_budget_keeps_rows_as_training_does(tmp_path):
     budget = _midpoint_budget(tmp_path)
-    args = [f"engine.device_memory={budget}", "engine.chunks=16"]
+    # (Whole layers off: at this budget they move the first layer's rows once
+    # already, with or without kept rows.)
+    args = [f"engine.device_memory={budget}", "engine.chunks=16", "engine.whole_layers=false"]
     plain = build_report(load_config(CONFIG, base(tmp_path, *args, "engine.dedup.cache=false")),
                          parts_list=[], chunks_list=[16])
     rep = build_report(load_config(CONFIG, base(tmp_path, *args)), parts_list=[],

@@ -2,9 +2,11 @@ r"""Device memory budget: what one chunk needs, and the fewest chunks that fit.
 
 The estimate is per chunk and per layer, the peak of forward and backward:
 
-* the transition buffer and its gradient twin (the plan's buffer rows),
-  staging for the next step's neighbour rows (with overlap), and three
-  destination-row slots, double-buffered with overlap, at the widest layer;
+* the device row memory (:func:`row_memory`): the transition buffer and its
+  gradient twin (the plan's buffer rows) and staging for the next step's
+  neighbour rows (with overlap), at the widest layer; destination-row slots
+  (own rows, cached aggregates, output gradients; :func:`slot_widths`),
+  double-buffered with overlap, each as wide as what it holds;
 * the chunk's block (two copies of its edges, plus per-edge weights);
 * activations of the layer: dropped inputs (the counter-based dropout mask
   costs 32 bytes per element while it is built), the aggregate, the output
@@ -31,7 +33,9 @@ from hongtu.partition import Chunker, Partition
 from hongtu.partition._kernels import distinct_sources
 
 __all__ = ["CHUNK_CANDIDATES", "ChunkSizes", "Chunkings", "choose_chunks", "chunk_sizes",
-           "estimate_device_bytes", "resident_block_bytes", "spare_rows"]
+           "estimate_device_bytes", "grown_row_memory", "resident_block_bytes", "row_memory",
+           "slot_widths", "whole_layer_needs",
+           "spare_rows"]
 
 CHUNK_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512,
                     768, 1024, 1536, 2048, 4096)
@@ -75,6 +79,62 @@ def _sizes(cum: np.ndarray, chunk_ptr: np.ndarray, num_src: np.ndarray) -> Chunk
     return ChunkSizes(num_src, np.diff(chunk_ptr), cum[chunk_ptr[1:]] - cum[chunk_ptr[:-1]])
 
 
+def row_memory(buffer_rows: int, widths: list[int], stage_rows: int = 0) -> int:
+    """Elements of the device row memory: the transition buffer and its gradient
+    twin (``buffer_rows`` of the widest row each), then the staging area for the
+    next step's neighbour rows (``stage_rows``; the plan's ``max_later_load``
+    with overlap, else 0). One allocation, so a layer moved whole may use all of it."""
+    return (2 * int(buffer_rows) + int(stage_rows)) * max(widths)
+
+
+def whole_layer_needs(num_rows: int, widths: list[int], load_rows: int, exchange: bool,
+                      ordered_first: bool = False) -> list[int | None]:
+    """Row-memory elements each layer needs to move all its rows per pass, or
+    ``None`` where it should not.
+
+    A layer needs its rows (``num_rows`` of ``widths[l]``) and their gradients,
+    except the first layer, whose inputs carry no gradient. It should move whole
+    when the plan would load at least as many rows per pass (``load_rows``): no
+    more bytes, as DMA instead of a gather — only for a lone process
+    (``exchange`` false; otherwise rows of other parts travel by the plan's
+    exchange). With ``ordered_first`` the first layer's loads are contiguous
+    copies already (its inputs stored in load order) and overlap the pass's
+    compute, which one whole copy at its start does not: it moves whole only
+    when that moves fewer rows.
+    """
+    out: list[int | None] = []
+    for l, w in enumerate(widths[:-1]):
+        more = load_rows > num_rows if l == 0 and ordered_first else load_rows >= num_rows
+        out.append(num_rows * w * (1 if l == 0 else 2) if more and not exchange else None)
+    return out
+
+
+def grown_row_memory(memory: int, spare_bytes: int | None, num_rows: int, widths: list[int],
+                     load_rows: int, exchange: bool, itemsize: int = 4,
+                     ordered_first: bool = False) -> int:
+    """The row memory to allocate (elements): the plan's ``memory``, grown by at
+    most ``spare_bytes`` when that lets more layers move whole
+    (:func:`whole_layer_needs`): to the largest need that fits. No budget
+    (``None``) or nothing to gain: the plan's."""
+    if not spare_bytes or spare_bytes <= 0:
+        return int(memory)
+    top = int(memory) + int(spare_bytes) // itemsize
+    needs = whole_layer_needs(num_rows, widths, load_rows, exchange, ordered_first)
+    return max([n for n in needs if n is not None and n <= top] + [int(memory)])
+
+
+def slot_widths(model: GNN, cached: list[bool] | None = None) -> dict[str, int]:
+    """Widths of the destination-row slots a pass fills: a layer's own rows
+    (layers that read them), the cached aggregate (``cached``: default every
+    cacheable layer), and ``∇h^{l+1}`` (0: unused)."""
+    cached = model.cached_layers() if cached is None else cached
+    widths = model.row_widths()
+    layers = range(model.num_layers)
+    return {"dst": max((widths[l] for l in layers if model.layers[l].needs_dst), default=0),
+            "aux": max((widths[l] for l in layers if cached[l]), default=0),
+            "grad": max(widths[1:])}
+
+
 def estimate_device_bytes(model: GNN, sizes: ChunkSizes, itemsize: int = 4,
                           training: bool = True, num_nodes: int = 0,
                           buffer_rows: int | None = None, overlap: bool = True,
@@ -97,12 +157,12 @@ def estimate_device_bytes(model: GNN, sizes: ChunkSizes, itemsize: int = 4,
             destination rows need no staging.
     """
     widths, true = model.row_widths(), model.widths()
-    wmax = max(widths)
     max_src, max_dst = int(sizes.num_src.max()), int(sizes.num_dst.max())
     rows = max_src if buffer_rows is None else int(buffer_rows)
     stage = (rows if load_rows is None else int(load_rows)) if overlap else 0
-    slots = 0 if resident else (6 if overlap else 3)
-    fixed = (2 * rows + stage + slots * max_dst) * wmax * itemsize
+    ring = 0 if resident else (2 if overlap else 1)
+    fixed = (row_memory(rows, widths, stage)
+             + ring * max_dst * sum(slot_widths(model).values())) * itemsize
     fixed += sum(p.numel() for p in model.parameters()) * itemsize * 4
     fixed += num_nodes * 11  # labels (int64) and three masks (bool)
     fixed += _FIXED_EXTRA

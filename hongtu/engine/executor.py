@@ -31,10 +31,11 @@ import torch
 from torch import Tensor
 
 from hongtu.dedup import DevicePlan
-from hongtu.engine.buffers import HostBuffers
+from hongtu.engine.budget import row_memory, slot_widths, whole_layer_needs
+from hongtu.engine.buffers import HostBuffers, available_host_memory
 from hongtu.engine.chunks import ChunkSet
 from hongtu.engine.comm import Comm
-from hongtu.engine.pinned import pinned_copies
+from hongtu.engine.pinned import pinned_copies, pinned_empty
 from hongtu.engine.transfer import Mover, add_rows
 from hongtu.nn.block import Block
 from hongtu.nn.model import GNN, layer_seed
@@ -88,21 +89,29 @@ def _first_flushes_first(ids, ptr, seen, own_step, written, order, split):
             seen[ids[t]] = True
 
 
-def layers_moved_whole(num_rows: int, widths: list[int], buffer_rows: int, load_rows: int,
-                       exchange: bool) -> list[bool]:
+def layers_moved_whole(num_rows: int, widths: list[int], memory: int, load_rows: int,
+                       exchange: bool, ordered_first: bool = False) -> list[bool]:
     """Which layers' passes move all of ``h^l`` (and ``∇h^l``) in one contiguous
-    copy each instead of the plan's neighbour rows.
+    copy each instead of the plan's neighbour rows: those that should
+    (:func:`~hongtu.engine.budget.whole_layer_needs`) and fit the device row
+    memory (``memory`` elements, :func:`~hongtu.engine.budget.row_memory`)."""
+    return [n is not None and n <= int(memory)
+            for n in whole_layer_needs(num_rows, widths, load_rows, exchange, ordered_first)]
 
-    A layer's pass does when its rows and their gradients (``num_rows`` each,
-    ``widths[l]`` wide) fit the memory of the transition buffer and its gradient
-    twin (``buffer_rows`` of the widest row each), and the plan would load at
-    least as many rows per pass (``load_rows``): fewer bytes, as DMA instead of
-    a gather. Only for a lone process (``exchange`` false); otherwise rows of
-    other parts travel by the plan's exchange.
-    """
-    cap = int(buffer_rows) * max(widths)
-    return [not exchange and load_rows >= num_rows and num_rows * w <= cap
-            for w in widths[:-1]]
+
+#: the ordered copy of the inputs may take at most this share of the available host memory
+_HOST_SHARE = 0.8
+
+
+def _rows_in_order(h: Tensor, ids: np.ndarray, pin: bool) -> Tensor:
+    """``h[ids]`` as a new host tensor (pinned with ``pin``)."""
+    shape = (int(ids.shape[0]), int(h.shape[1]))
+    out, ok = pinned_empty(shape, h.dtype) if pin else (None, False)
+    if not ok:
+        out = torch.empty(shape, dtype=h.dtype, pin_memory=pin)
+    torch.index_select(h, 0, torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)),
+                       out=out)
+    return out
 
 
 class _PlanOnDevice:
@@ -200,16 +209,25 @@ class Executor:
             by it); default ``masks["train"].sum()``.
         overlap: on a GPU, move the next batch's rows while the current one
             computes (:class:`~hongtu.engine.transfer.Mover`).
-        whole_layers: a layer whose rows fit the transition buffer's memory
-            moves all of them per pass (:func:`layers_moved_whole`); ``False`` =
+        whole_layers: a layer whose rows fit the device row memory (the
+            transition buffer, its gradient twin and the row staging) moves all
+            of them per pass (:func:`layers_moved_whole`); ``False`` =
             every layer moves the plan's neighbour rows.
+        row_elements: elements of the device row memory, when the budget left
+            more than the plan needs (:func:`~hongtu.engine.budget.grown_row_memory`);
+            default the plan's (:func:`~hongtu.engine.budget.row_memory`).
+        ordered_inputs: keep a copy of ``h^0``'s loaded rows in the order the
+            plan loads them (pinned), so the first layer's step loads are one
+            contiguous copy each (DMA) instead of a gather; host buffers only,
+            with overlap on a GPU (where the rows land in the staging area).
     """
 
     def __init__(self, model: GNN, chunks: ChunkSet, buffers: HostBuffers, labels: Tensor,
                  masks: dict[str, Tensor], device: torch.device, plan: DevicePlan,
                  checkpoint: str = "auto", seed: int = 0, resident_blocks: bool = True,
                  comm: Comm | None = None, num_train: int | None = None,
-                 overlap: bool = True, whole_layers: bool = True) -> None:
+                 overlap: bool = True, whole_layers: bool = True,
+                 row_elements: int | None = None, ordered_inputs: bool = False) -> None:
         self.model = model
         self.chunks = chunks
         self.buf = buffers
@@ -226,23 +244,44 @@ class Executor:
         self.plan = _PlanOnDevice(plan, device, chunks.row0, buffers.h[0].shape[0],
                                   own_range=chunks.range if self._own_rows else None)
         # Staging for destination rows (none when the buffers are on the device:
-        # a range is then a view of them).
+        # a range is then a view of them), each slot as wide as what it holds.
         max_dst = 0 if self.resident else chunks.max_rows()[1]
-        self.mover = Mover(device, {"dst": max_dst, "aux": max_dst, "grad": max_dst},
-                           max(widths), self.dtype,
-                           stage_rows=0 if self.resident else plan.buffer_rows,
-                           load_rows=plan.max_later_load, overlap=overlap)
+        slot_w = slot_widths(model, self.cached)
         # Resident on one device: chunks read h^l and add into ∇h^l in place, so
         # the transition buffer and the transfer plan are not needed.
         self._direct = self.resident and comm is None
-        # The transition buffer (rows of h^l) and its gradient twin, allocated once
-        # as one piece; a layer whose whole rows fit it moves them all at once.
+        # The row memory: the transition buffer (rows of h^l), its gradient twin
+        # and the staging area of the next step's rows, allocated once as one
+        # piece; a layer whose whole rows fit it moves them all at once.
         rows = 1 if self._direct else max(plan.buffer_rows, 1)
-        self._rowmem = torch.empty(2 * rows * max(widths), dtype=self.dtype, device=device)
-        self._tbuf, self._gbuf = self._rowmem.chunk(2)
-        self._whole = layers_moved_whole(buffers.h[0].shape[0], widths, rows,
-                                         int(plan.load_ids.shape[0]), comm is not None) \
+        stage = plan.max_later_load if overlap and not self._direct else 0
+        need = row_memory(rows, widths, stage)
+        if row_elements is not None and row_elements < need and not self._direct:
+            raise ValueError(f"row_elements={row_elements}: the plan needs {need}")
+        size = need if row_elements is None or self._direct else int(row_elements)
+        self._rowmem = torch.empty(size, dtype=self.dtype, device=device)
+        self._tbuf, self._gbuf = self._rowmem[:2 * rows * max(widths)].chunk(2)
+        self.mover = Mover(device, {k: (max_dst if w else 0, w) for k, w in slot_w.items()},
+                           max(widths), self.dtype,
+                           stage_rows=0 if self.resident else plan.buffer_rows,
+                           load_rows=stage, overlap=overlap,
+                           stage=self._rowmem[2 * rows * max(widths):])
+        ordered = ordered_inputs and not self.resident and (overlap or device.type == "cpu")
+        self._whole = layers_moved_whole(buffers.h[0].shape[0], widths, self._rowmem.numel(),
+                                         int(plan.load_ids.shape[0]), comm is not None,
+                                         ordered) \
             if whole_layers and not self._direct else [False] * (len(widths) - 1)
+        # h^0's rows in load order: step s's loads are rows load_ptr[s]:load_ptr[s+1]
+        # (not when host memory would not hold the copy: the rows are gathered then).
+        self._ordered = None
+        copy_bytes = int(plan.load_ids.shape[0]) * widths[0] * buffers.h[0].element_size()
+        room = _HOST_SHARE * available_host_memory() if device.type == "cuda" else float("inf")
+        if ordered and not self._whole[0] and 0 < copy_bytes <= room:
+            self._ordered = _rows_in_order(buffers.h[0], np.asarray(plan.load_ids) - chunks.row0,
+                                           pin=device.type == "cuda")
+            n0 = int(plan.load_ptr[1])  # the first step's rows land in slots 0..n0-1?
+            self._first_in_place = bool(np.array_equal(np.asarray(plan.load_slots[:n0]),
+                                                       np.arange(n0)))
         self.labels = labels.to(device)
         self.masks = {k: m.to(device) for k, m in masks.items()}
         self.num_train = max(int(masks["train"].sum()) if num_train is None else num_train, 1)
@@ -313,7 +352,12 @@ class Executor:
             return self.mover.fetch_all(self.buf.h[l], self._whole_rows(l)) if i == 0 else None
         if not first:
             return None
-        return self.mover.fetch_rows(self.buf.h[l], *self.plan.load(s), tbuf, direct=s == 0)
+        ids, slots = self.plan.load(s)
+        if l == 0 and self._ordered is not None and (s > 0 or self._first_in_place):
+            p = self.plan.plan.load_ptr
+            return self.mover.fetch_run(self._ordered, int(p[s]), int(p[s + 1]), slots, tbuf,
+                                        direct=s == 0)
+        return self.mover.fetch_rows(self.buf.h[l], ids, slots, tbuf, direct=s == 0)
 
     def _seed(self, epoch: int, l: int) -> int:
         return layer_seed(self.seed, epoch, l)

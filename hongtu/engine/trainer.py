@@ -31,7 +31,9 @@ from hongtu.engine.budget import (
     Chunkings,
     choose_chunks,
     estimate_device_bytes,
+    grown_row_memory,
     resident_block_bytes,
+    row_memory,
     spare_rows,
 )
 from hongtu.engine.buffers import BufferPlan, HostBuffers
@@ -211,6 +213,17 @@ class Trainer:
         self.estimate = estimate(self.transfer_plan.plans[rank])
         # (Kept rows only take what the blocks leave, when the blocks fit.)
         self.blocks_fit = self.room is None or self.estimate + blocks <= self.room
+        # What the budget still leaves may let a layer's rows move whole.
+        dplan, widths = self.transfer_plan.plans[rank], self.model.row_widths()
+        plan_rows = row_memory(dplan.buffer_rows, widths,
+                               dplan.max_later_load if e.overlap else 0)
+        left = None if self.room is None or self.resident or not e.whole_layers else \
+            self.room - self.estimate - (blocks if self.blocks_fit else 0)
+        ordered = e.ordered_inputs and self.device.type == "cuda"
+        row_elements = grown_row_memory(plan_rows, left, b - a, widths,
+                                        int(dplan.load_ids.shape[0]), world > 1, itemsize,
+                                        ordered_first=ordered and e.overlap)
+        self.estimate += (row_elements - plan_rows) * itemsize
         if self.room is not None and self.estimate > self.room:
             raise UserError(f"the transfer plan's buffers need about "
                             f"{format_size(self.estimate)} on the device but "
@@ -240,7 +253,8 @@ class Trainer:
             torch.from_numpy(np.asarray(g.y[a:b], dtype=np.int64)), masks, self.device,
             self.transfer_plan.plans[rank], e.checkpoint, cfg.train.seed,
             resident_blocks=self.blocks_fit, comm=self.comm, num_train=int(np.sum(g.train_mask)),
-            overlap=e.overlap, whole_layers=e.whole_layers)
+            overlap=e.overlap, whole_layers=e.whole_layers,
+            row_elements=None if self.resident else row_elements, ordered_inputs=ordered)
         split["executor_s"] = time.perf_counter() - t
         self.optimizer = self._optimizer()
         self.preprocess_s = time.perf_counter() - t0

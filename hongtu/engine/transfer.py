@@ -166,7 +166,8 @@ class Mover:
 
     Args:
         device: the compute device.
-        slots: destination-row slot name -> the most rows it must hold.
+        slots: destination-row slot name -> ``(rows, width)``: the most rows it
+            must hold and their widest row (elements).
         max_width: the widest row (elements).
         dtype: element type of the buffers.
         timed: attribute time to transfers and compute. On a GPU each piece of
@@ -177,11 +178,13 @@ class Mover:
             device staging area that lets them travel during the previous step).
         overlap: run transfers on their own streams, one batch ahead; otherwise
             everything runs on the current stream in program order.
+        stage: device memory for the staging area of neighbour rows (at least
+            ``load_rows * max_width`` elements; allocated here when ``None``).
     """
 
     def __init__(self, device: torch.device, slots: dict[str, int], max_width: int,
                  dtype: torch.dtype, timed: bool = True, stage_rows: int = 0,
-                 load_rows: int = 0, overlap: bool = True) -> None:
+                 load_rows: int = 0, overlap: bool = True, stage: Tensor | None = None) -> None:
         self.device = device
         self.dtype = dtype
         self.traffic = Traffic()
@@ -190,14 +193,21 @@ class Mover:
         self.overlap = overlap and self.cuda
         w = int(max_width)
         ring = 2 if self.overlap else 1
-        self._dev = {s: [torch.empty(max(int(r) * w, 1), dtype=dtype, device=device)
-                         for _ in range(ring)] for s, r in slots.items()}
+        self._dev = {s: [torch.empty(max(int(r) * int(sw), 1), dtype=dtype, device=device)
+                         for _ in range(ring)] for s, (r, sw) in slots.items()}
         self._turn = dict.fromkeys(slots, 0)
-        self._rows_stage = (torch.empty(max(int(load_rows) * w, 1), dtype=dtype, device=device)
-                            if self.overlap else None)
+        if not self.overlap:
+            self._rows_stage = None
+        elif stage is None:
+            self._rows_stage = torch.empty(max(int(load_rows) * w, 1), dtype=dtype, device=device)
+        else:
+            if stage.numel() < int(load_rows) * w:
+                raise ValueError(f"stage holds {stage.numel()} elements; "
+                                 f"{int(load_rows)} rows of {w} need more")
+            self._rows_stage = stage
         # Pinned staging areas for gradient flushes: they receive flushes by DMA
         # while a worker thread adds earlier ones into host memory.
-        stage = max(max(r for r in slots.values()), int(stage_rows), 1) * w
+        stage = max(max(r for r, _ in slots.values()), int(stage_rows), 1) * w
         self._stages = ([_pinned(stage, dtype) for _ in range(_STAGES)] if self.cuda else None)
         self._flip = 0
         self._adder = _Adder(self.traffic) if self.cuda else None
@@ -338,6 +348,35 @@ class Mover:
         out = self._rows_stage[: rows * width].view(rows, width)
         with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
             copy_rows(view, out, ids)
+        return Ticket(out, self._ready_event(self.s_in), slots, buf)
+
+    def fetch_run(self, host: Tensor, start: int, stop: int, slots: Tensor, buf: Tensor,
+                  direct: bool = False) -> Ticket:
+        """Start ``buf[slots] = host[start:stop]``: rows stored in the order they
+        load, so one contiguous copy (DMA) brings them; finish it with :meth:`place`.
+
+        With overlap they land in the staging area, unless ``direct`` (nothing in
+        ``buf`` is in use: the first step of a pass) and ``slots`` are ``0 ..
+        n-1`` (the caller's promise), when they land in ``buf`` itself. Without
+        overlap on a GPU there is no staging area: ``direct`` only.
+        """
+        rows, width = stop - start, int(host.shape[1])
+        if rows == 0:
+            return Ticket(None)
+        self._count(host, "h2d", rows, width)
+        src = host[start:stop]
+        if not self.cuda or host.device.type == "cuda":
+            buf.index_copy_(0, slots, src)
+            return Ticket(None)
+        if direct:
+            with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
+                buf[:rows].copy_(src, non_blocking=True)
+            return Ticket(None, self._ready_event(self.s_in))
+        if not self.overlap:
+            raise ValueError("fetch_run without overlap lands rows directly only (direct=True)")
+        out = self._rows_stage[: rows * width].view(rows, width)
+        with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
+            out.copy_(src, non_blocking=True)
         return Ticket(out, self._ready_event(self.s_in), slots, buf)
 
     def place(self, t: Ticket) -> None:

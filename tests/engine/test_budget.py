@@ -11,7 +11,10 @@ from hongtu.engine.budget import (
     choose_chunks,
     chunk_sizes,
     estimate_device_bytes,
+    row_memory,
+    slot_widths,
 )
+from hongtu.engine.executor import layers_moved_whole
 from hongtu.errors import UserError
 from hongtu.partition import chunk_partition
 from tests.cases import CASES
@@ -44,6 +47,53 @@ def test_overlap_staging_is_counted():
     with_overlap = _need(graph, assignment, model, 4, overlap=True)
     assert with_overlap > _need(graph, assignment, model, 4, overlap=False)
     assert _need(graph, assignment, model, 4, resident=True) < with_overlap
+
+
+@pytest.mark.parametrize("layer", ["gcn", "sage", "gat"])
+@pytest.mark.parametrize("checkpoint", ["auto", "recompute"])
+def test_estimate_counts_the_executors_row_memory_and_slots(layer, checkpoint):
+    """What the estimate counts for rows is what the executor allocates: the row
+    memory (transition buffer, gradient twin, staging) at the widest row, each
+    destination-row slot at the width of what it holds."""
+    from tests.engine.test_oracle import chunked_step
+
+    graph = CASES["skewed"](seed=2)
+    model = make_model(layer)
+    _, g, ex = chunked_step(model, graph, 1, 4, checkpoint)
+    plan, widths = ex.plan.plan, model.row_widths()
+    assert ex._rowmem.numel() == row_memory(plan.buffer_rows, widths, plan.max_later_load)
+    slot_w = slot_widths(model, model.cached_layers(checkpoint))
+    max_dst = ex.chunks.max_rows()[1]
+    for name, w in slot_w.items():
+        assert ex.mover._dev[name][0].numel() == max(max_dst * w, 1)
+    # rows 6 -> 3 -> 3 (GCN, weight first) or 6 -> 8 -> 3: own rows only where a
+    # layer reads them, aggregates only where cached, ∇h^{l+1} always
+    auto = checkpoint == "auto"
+    expect = {"gcn": (0, 6 if auto else 0, 3), "sage": (8, 8 if auto else 0, 8),
+              "gat": (8, 0, 8)}[layer]
+    assert (slot_w["dst"], slot_w["aux"], slot_w["grad"]) == expect
+    p = chunk_partition(g, np.zeros(g.num_nodes, dtype=np.int64), 4, num_parts=1)
+    sizes = chunk_sizes(g, p.perm, p.chunk_ptr)
+
+    def est(rows, stage):
+        return estimate_device_bytes(model, sizes, buffer_rows=rows, load_rows=stage,
+                                     overlap=False)
+
+    assert est(9, 5) - est(0, 0) == 4 * 2 * 9 * max(widths)  # (no staging without overlap)
+    with_stage = estimate_device_bytes(model, sizes, buffer_rows=9, load_rows=5)
+    assert with_stage - est(0, 0) == 4 * (row_memory(9, widths, 5)
+                                          + max_dst * sum(slot_widths(model).values()))
+
+
+def test_first_layer_moves_whole_without_a_gradient_twin():
+    # widths 4 -> 8 -> 2 over 10 rows; 8 plan loads would be fewer than the rows
+    assert layers_moved_whole(10, [4, 8, 2], 40, 10, False) == [True, False]
+    assert layers_moved_whole(10, [4, 8, 2], 39, 10, False) == [False, False]
+    assert layers_moved_whole(10, [4, 8, 2], 160, 10, False) == [True, True]
+    assert layers_moved_whole(10, [4, 8, 2], 159, 10, False) == [True, False]
+    assert layers_moved_whole(10, [4, 8, 2], 160, 9, False) == [False, False]
+    assert layers_moved_whole(10, [4, 8, 2], 160, 10, True) == [False, False]
+    assert row_memory(3, [4, 8, 2], 5) == (2 * 3 + 5) * 8
 
 
 def test_no_chunk_count_fits_is_a_clear_error():

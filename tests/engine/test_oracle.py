@@ -46,11 +46,13 @@ def masks_of(g):
 def chunked_step(model: GNN, graph, parts: int, chunks: int, checkpoint: str, epoch: int = 3,
                  assignment=None, device: str = "cpu", reuse: bool = True, p2p: bool = True,
                  reorg: bool = True, overlap: bool = True, resident: bool = False,
-                 cache_rows: int = 0, resident_blocks: bool = True, whole: bool = False):
+                 cache_rows: int = 0, resident_blocks: bool = True, whole: bool = False,
+                 ordered: bool = False):
     """One executor step on ``graph`` split into ``parts`` x ``chunks`` on ``device``
     (``cache_rows``: spare slots for rows kept across batches; ``whole``: layers
     whose rows fit the transition buffer move them all at once, which on these
-    small graphs is every layer, so the plan's row paths are tested without it)."""
+    small graphs is every layer, so the plan's row paths are tested without it;
+    ``ordered``: the first layer loads from a copy of its inputs in load order)."""
     if assignment is None:
         assignment = np.arange(graph.num_nodes) % parts
     p = chunk_partition(graph, assignment, chunks, num_parts=parts)
@@ -65,7 +67,7 @@ def chunked_step(model: GNN, graph, parts: int, chunks: int, checkpoint: str, ep
                            p2p=p2p, reorg=reorg, cache_rows=lambda _: cache_rows)
     ex = Executor(model, cs, buf, torch.from_numpy(g.y), masks_of(g), dev, plan.plans[0],
                   checkpoint=checkpoint, seed=0, overlap=overlap,
-                  resident_blocks=resident_blocks, whole_layers=whole)
+                  resident_blocks=resident_blocks, whole_layers=whole, ordered_inputs=ordered)
     ex.transfer_plan = plan
     res = ex.step(epoch)
     return res, g, ex
@@ -227,6 +229,63 @@ def test_whole_layers_move_all_rows_once(layer, checkpoint):
     assert p.d2h_rows - t.d2h_rows == plain.transfer_plan.d2h_rows + own - n
 
 
+@pytest.mark.parametrize("layer", LAYERS[1:])
+@pytest.mark.parametrize("checkpoint", ["auto", "recompute"])
+def test_first_layer_whole_beside_plan_rows(layer, checkpoint):
+    """The first layer's rows need no gradient twin, so they may fill all of the
+    row memory and move whole while a wider layer after them moves the plan's
+    rows (in the same memory): the same step; only the first layer's passes
+    move fewer rows."""
+    graph = CASES["self_loops"](seed=5)
+    model = make_model(layer)
+    res, g, ex = chunked_step(model, graph, 1, 6, checkpoint, whole=True)
+    n, w = g.num_nodes, model.row_widths()
+    assert ex._whole == [True, False]  # (its rows fit the memory; the second's do not)
+    assert n * w[0] <= ex._rowmem.numel() < 2 * n * w[1]
+    ref_loss, ref_grads = reference_step(model, g)
+    assert_matches(model, res.loss, ref_loss, ref_grads)
+    _, _, plain = chunked_step(make_model(layer), graph, 1, 6, checkpoint)
+    rows = plain.transfer_plan.h2d_rows
+    passes = 1 if ex.cached[0] else 2  # forward, and backward when it reloads them
+    t, p = ex.mover.traffic, plain.mover.traffic
+    assert p.h2d_rows - t.h2d_rows == passes * (rows - n)
+    assert p.d2h_rows == t.d2h_rows  # (the first layer flushes no gradient)
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+@pytest.mark.parametrize("parts,chunks,checkpoint", [(1, 5, "auto"), (3, 3, "recompute"),
+                                                     (2, 4, "auto")])
+def test_first_layer_loads_from_ordered_inputs(layer, parts, chunks, checkpoint, monkeypatch):
+    """The first layer's rows read from a copy of h^0 in the order the plan loads
+    them (one contiguous run per step) give the same step and the same traffic;
+    every step of the first layer takes that path."""
+    from hongtu.engine.transfer import Mover
+
+    graph = CASES["skewed"](seed=4)
+    model = make_model(layer)
+    _, _, plain = chunked_step(copy.deepcopy(model), graph, parts, chunks, checkpoint)
+    runs = []
+    orig = Mover.fetch_run
+
+    def fetch_run(self, host, start, stop, *a, **kw):
+        runs.append((start, stop))
+        return orig(self, host, start, stop, *a, **kw)
+
+    monkeypatch.setattr(Mover, "fetch_run", fetch_run)
+    res, g, ex = chunked_step(model, graph, parts, chunks, checkpoint, ordered=True)
+    ref_loss, ref_grads = reference_step(model, g)
+    assert_matches(model, res.loss, ref_loss, ref_grads)
+    plan = ex.plan.plan
+    assert torch.equal(ex._ordered, ex.buf.h[0][torch.from_numpy(plan.load_ids)])
+    # (steps after the first, and the first when its slots are 0..n-1)
+    steps = [(int(plan.load_ptr[s]), int(plan.load_ptr[s + 1])) for s in range(plan.num_steps)
+             if s > 0 or ex._first_in_place]
+    passes = 1 if ex.cached[0] else 2
+    assert runs == steps * passes and any(b > a for a, b in steps)
+    t, p = ex.mover.traffic, plain.mover.traffic
+    assert (t.h2d_rows, t.d2h_rows, t.h2d_bytes) == (p.h2d_rows, p.d2h_rows, p.h2d_bytes)
+
+
 @pytest.mark.parametrize("layer", LAYERS)
 @pytest.mark.parametrize("parts", [1, 3])
 def test_rows_kept_across_batches_do_not_change_the_step(layer, parts):
@@ -313,25 +372,34 @@ def test_resident_arithmetic_on_cpu(layer, chunks, monkeypatch):
 @pytest.mark.parametrize("layer", LAYERS)
 @pytest.mark.parametrize("checkpoint", ["auto", "recompute"])
 @pytest.mark.parametrize("mode", ["overlap", "serial", "kept", "copied-blocks", "resident",
-                                  "resident-1", "whole", "whole-serial"])
+                                  "resident-1", "whole", "whole-serial", "first-whole",
+                                  "ordered"])
 def test_cuda_step_equals_full_graph(layer, checkpoint, mode):
     """The GPU paths are exact too: pinned buffers with zero-copy gathers and staged
     flushes, with transfers one batch ahead on their own streams or in program
     order, with rows kept across batches, with chunk blocks copied batch by batch
-    (int32 on the host), with every buffer resident on the device, and with
-    every layer's rows moved whole (one copy each way per pass)."""
-    graph = CASES["skewed"](seed=3)
+    (int32 on the host), with every buffer resident on the device, with
+    every layer's rows moved whole (one copy each way per pass), with the
+    first layer's alone (the others' plan rows in the same memory), and with
+    the first layer's rows copied from its inputs stored in load order."""
+    graph = CASES["self_loops" if mode == "first-whole" else "skewed"](seed=3)
     model = make_model(layer)
-    parts, chunks = {"resident-1": (1, 1), "kept": (2, 6), "whole": (2, 6)}.get(mode, (2, 3))
+    parts, chunks = {"resident-1": (1, 1), "kept": (2, 6), "whole": (2, 6),
+                     "first-whole": (1, 6)}.get(mode, (2, 3))
     kept = 4 if mode == "kept" else 0
-    whole, serial = mode.startswith("whole"), mode.endswith("serial")
+    whole, serial = "whole" in mode, mode.endswith("serial")
     _, _, on_cpu = chunked_step(copy.deepcopy(model), graph, parts, chunks, checkpoint,
                                 cache_rows=kept, whole=whole)
     res, g, ex = chunked_step(model, graph, parts, chunks, checkpoint, device="cuda",
                               overlap=not serial, resident=mode.startswith("resident"),
                               cache_rows=kept, resident_blocks=mode != "copied-blocks",
-                              whole=whole)
-    assert ex._whole == [whole] * model.num_layers
+                              whole=whole, ordered=mode == "ordered")
+    assert (ex._ordered is not None) == (mode == "ordered")
+    if mode == "first-whole":
+        # (GCN's rows are as narrow in both layers: both move whole.)
+        assert ex._whole == on_cpu._whole == [True, layer == "gcn"]
+    else:
+        assert ex._whole == [whole] * model.num_layers
     assert (ex.transfer_plan.cached_rows > 0) == (mode == "kept")
     assert ex._copy_blocks == (mode == "copied-blocks")
     moved, expect = ex.mover.traffic, on_cpu.mover.traffic
