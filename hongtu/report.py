@@ -203,8 +203,7 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
     left = None if budget is None or not e.whole_layers else \
         budget - need - (blocks if need + blocks <= budget else 0)
     rows = grown_row_memory(plan_rows, left, graph.num_nodes, widths,
-                            int(first.load_ids.shape[0]), ctx["devices"] > 1, ctx["itemsize"],
-                            ordered_first=e.ordered_inputs and e.overlap)
+                            int(first.load_ids.shape[0]), ctx["devices"] > 1, ctx["itemsize"])
     return _Setting(part, plan, name, candidates, need + (rows - plan_rows) * ctx["itemsize"],
                     rows)
 
@@ -324,8 +323,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     def traffic_of(s: _Setting) -> dict:
         plan = s.plan
         whole = layers_moved_whole(graph.num_nodes, widths, s.row_elements,
-                                   int(plan.plans[0].load_ids.shape[0]), e.devices > 1,
-                                   e.ordered_inputs and e.overlap) \
+                                   int(plan.plans[0].load_ids.shape[0]), e.devices > 1) \
             if e.whole_layers else None
         return _traffic(widths, cached, needs_dst, itemsize, graph.num_nodes, plan.h2d_rows,
                         plan.d2h_rows, whole)

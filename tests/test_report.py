@@ -92,9 +92,8 @@ def test_json_volumes_equal_the_planner(capsys, tmp_path, report_json):
     # layer whose rows fit the device row memory (layers_moved_whole)
     dp = chosen.plans[0]
     memory = row_memory(dp.buffer_rows, d["model"]["widths"], dp.max_later_load)
-    # (no budget: the plan's memory; the first layer's loads are ordered copies)
-    whole = layers_moved_whole(n, d["model"]["widths"], memory, dp.load_ids.shape[0], False,
-                               ordered_first=True)
+    # (no budget: the plan's memory)
+    whole = layers_moved_whole(n, d["model"]["widths"], memory, dp.load_ids.shape[0], False)
     for layer, all_rows in zip(d["transfers"]["layers"], whole):
         assert layer["whole"] == all_rows
         rows = n if all_rows else chosen.h2d_rows

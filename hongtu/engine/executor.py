@@ -37,6 +37,7 @@ from hongtu.engine.chunks import ChunkSet
 from hongtu.engine.comm import Comm
 from hongtu.engine.pinned import pinned_copies, pinned_empty
 from hongtu.engine.transfer import Mover, add_rows
+from hongtu.nn import ops
 from hongtu.nn.block import Block
 from hongtu.nn.model import GNN, layer_seed
 
@@ -90,13 +91,13 @@ def _first_flushes_first(ids, ptr, seen, own_step, written, order, split):
 
 
 def layers_moved_whole(num_rows: int, widths: list[int], memory: int, load_rows: int,
-                       exchange: bool, ordered_first: bool = False) -> list[bool]:
+                       exchange: bool) -> list[bool]:
     """Which layers' passes move all of ``h^l`` (and ``∇h^l``) in one contiguous
     copy each instead of the plan's neighbour rows: those that should
     (:func:`~hongtu.engine.budget.whole_layer_needs`) and fit the device row
     memory (``memory`` elements, :func:`~hongtu.engine.budget.row_memory`)."""
     return [n is not None and n <= int(memory)
-            for n in whole_layer_needs(num_rows, widths, load_rows, exchange, ordered_first)]
+            for n in whole_layer_needs(num_rows, widths, load_rows, exchange)]
 
 
 #: the ordered copy of the inputs may take at most this share of the available host memory
@@ -268,8 +269,7 @@ class Executor:
                            stage=self._rowmem[2 * rows * max(widths):])
         ordered = ordered_inputs and not self.resident and (overlap or device.type == "cpu")
         self._whole = layers_moved_whole(buffers.h[0].shape[0], widths, self._rowmem.numel(),
-                                         int(plan.load_ids.shape[0]), comm is not None,
-                                         ordered) \
+                                         int(plan.load_ids.shape[0]), comm is not None) \
             if whole_layers and not self._direct else [False] * (len(widths) - 1)
         # h^0's rows in load order: step s's loads are rows load_ptr[s]:load_ptr[s+1]
         # (not when host memory would not hold the copy: the rows are gathered then).
@@ -285,6 +285,14 @@ class Executor:
         self.labels = labels.to(device)
         self.masks = {k: m.to(device) for k, m in masks.items()}
         self.num_train = max(int(masks["train"].sum()) if num_train is None else num_train, 1)
+        # For the loss: the split masks side by side (their sizes are constant:
+        # counted once per pass) and the labels as gather indices.
+        self._splits = torch.stack([self.masks[k] for k in _SPLITS], 1)
+        self._split_sizes = self._splits.sum(0).to(torch.float64)
+        self._label_cols = self.labels.clamp(0, model.layers[-1].out_width - 1).unsqueeze(1)
+        # Whole layers that aggregate rows as they are kept (weight first: no
+        # dropout to apply first) read them in place, without a gathered copy.
+        self._in_place = [w and model.transforms_first(l) for l, w in enumerate(self._whole)]
         if device.type == "cpu":
             self._blocks = chunks.blocks
         elif resident_blocks:
@@ -397,13 +405,18 @@ class Executor:
                 v0, v1 = self.chunks.range(c)
                 x_dst = mv.take(dst) if dst is not None else None
                 with mv.timing("time_compute_s"):
-                    x_src = self._sources(l, q, block, tbuf)
-                    if self.cached[l] and train:
+                    if self._in_place[l]:
+                        a = ops.aggregate_rows(block, self._whole_rows(l), layer.aggr)
+                        out = model.step_update(l, block, a, x_dst, seed, nxt)
+                    elif self.cached[l] and train:
+                        x_src = self._sources(l, q, block, tbuf)
                         a = model.step_aggregate(l, block, x_src, seed)
                         out = model.step_update(l, block, a, x_dst, seed, nxt)
                     else:
+                        x_src = self._sources(l, q, block, tbuf)
                         a = None
                         out = model.step_forward(l, block, x_src, x_dst, seed, nxt)
+                    a = a if self.cached[l] and train else None
                     grad = self._output(out, v0, v1, train, acc) if l == L - 1 else None
                 if a is not None:
                     mv.store_range(buf.agg[l], v0, a)
@@ -417,6 +430,7 @@ class Executor:
                     progress(1)
 
             self._run_pass(fetch, run)
+        acc[4:7] += self._split_sizes
         v = acc.tolist()  # the pass's one synchronisation
         res = StepResult(v[0], dict(zip(_SPLITS, map(int, v[1:4]))),
                          dict(zip(_SPLITS, map(int, v[4:7]))))
@@ -482,25 +496,21 @@ class Executor:
         """Count correct predictions into ``acc``; in training add the chunk's loss and
         return ``∇h^L`` of its rows. Device-side only: nothing waits for the GPU."""
         y = self.labels[v0:v1]
-        pred = logits.argmax(dim=-1)
-        hit = pred == y
-        for k, split in enumerate(_SPLITS):
-            m = self.masks[split][v0:v1]
-            acc[1 + k] += (hit & m).sum()
-            acc[4 + k] += m.sum()
+        hit = (logits.argmax(dim=-1) == y).unsqueeze(1)
+        acc[1:4] += (hit & self._splits[v0:v1]).sum(0)  # (split sizes: once per pass)
         if not train:
             return None
         # Cross-entropy over the train rows, normalised by the whole graph's
         # train count, and its gradient (softmax - onehot) / count; rows outside
         # the train split contribute exactly zero.
-        m = self.masks["train"][v0:v1].unsqueeze(1)
-        z = logits.to(torch.float64) if logits.dtype == torch.float64 else logits.float()
-        yy = y.clamp(0, z.shape[1] - 1).unsqueeze(1)
-        lse = torch.logsumexp(z, dim=1, keepdim=True)
-        acc[0] += torch.where(m, lse - z.gather(1, yy), 0.0).sum().to(acc.dtype) / self.num_train
-        grad = torch.exp(z - lse)
+        m = self._splits[v0:v1, :1]
+        z = logits if logits.dtype == torch.float64 else logits.float()
+        yy = self._label_cols[v0:v1]
+        logp = torch.log_softmax(z, dim=1)
+        acc[0] -= torch.where(m, logp.gather(1, yy), 0.0).sum().to(acc.dtype) / self.num_train
+        grad = logp.exp_()
         grad.scatter_add_(1, yy, torch.full_like(yy, -1, dtype=grad.dtype))
-        return torch.where(m, grad / self.num_train, 0.0).to(logits.dtype)
+        return torch.where(m, grad.div_(self.num_train), 0.0).to(logits.dtype)
 
     # ------------------------------------------------------------ backward
     def backward(self, epoch: int, progress=None) -> None:

@@ -221,8 +221,7 @@ class Trainer:
             self.room - self.estimate - (blocks if self.blocks_fit else 0)
         ordered = e.ordered_inputs and self.device.type == "cuda"
         row_elements = grown_row_memory(plan_rows, left, b - a, widths,
-                                        int(dplan.load_ids.shape[0]), world > 1, itemsize,
-                                        ordered_first=ordered and e.overlap)
+                                        int(dplan.load_ids.shape[0]), world > 1, itemsize)
         self.estimate += (row_elements - plan_rows) * itemsize
         if self.room is not None and self.estimate > self.room:
             raise UserError(f"the transfer plan's buffers need about "

@@ -26,7 +26,8 @@ from torch import Tensor
 from hongtu.nn.block import Block
 
 __all__ = [
-    "BUILTIN_AGGREGATIONS", "aggregate", "aggregate_transpose", "edge_weights", "spmm",
+    "BUILTIN_AGGREGATIONS", "aggregate", "aggregate_rows", "aggregate_transpose",
+    "edge_weights", "spmm",
     "gather_src", "gather_dst", "scatter_dst", "edge_softmax", "dropout", "dropout_mask",
     "fused_edge_dots", "fused_dropout",
 ]
@@ -142,6 +143,17 @@ def edge_weights(block: Block, op: str, dtype: torch.dtype) -> Tensor:
 def aggregate(block: Block, x: Tensor, op: str) -> Tensor:
     """Built-in parameter-free linear aggregation ``A_op @ x`` (differentiable)."""
     return spmm(block, x, edge_weights(block, op, x.dtype))
+
+
+def aggregate_rows(block: Block, rows: Tensor, op: str) -> Tensor:
+    """:func:`aggregate` of the block's sources read from ``rows``, a table of
+    every vertex's row (``x_src = rows[block.src_ids]``), without gathering
+    them into a copy first: the adjacency's column ids are made global.
+
+    Forward only (no autograd through ``rows``)."""
+    w = edge_weights(block, op, rows.dtype)
+    return _csr_mm(block.indptr, block.src_ids.index_select(0, block.indices), w, rows,
+                   block.num_dst)
 
 
 def aggregate_transpose(block: Block, g: Tensor, op: str) -> Tensor:

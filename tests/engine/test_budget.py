@@ -11,6 +11,7 @@ from hongtu.engine.budget import (
     choose_chunks,
     chunk_sizes,
     estimate_device_bytes,
+    grown_row_memory,
     row_memory,
     slot_widths,
 )
@@ -86,14 +87,23 @@ def test_estimate_counts_the_executors_row_memory_and_slots(layer, checkpoint):
 
 
 def test_first_layer_moves_whole_without_a_gradient_twin():
-    # widths 4 -> 8 -> 2 over 10 rows; 8 plan loads would be fewer than the rows
-    assert layers_moved_whole(10, [4, 8, 2], 40, 10, False) == [True, False]
-    assert layers_moved_whole(10, [4, 8, 2], 39, 10, False) == [False, False]
-    assert layers_moved_whole(10, [4, 8, 2], 160, 10, False) == [True, True]
-    assert layers_moved_whole(10, [4, 8, 2], 159, 10, False) == [True, False]
+    # widths 4 -> 8 -> 2 over 10 rows; the plan would load 11 rows per pass
+    assert layers_moved_whole(10, [4, 8, 2], 40, 11, False) == [True, False]
+    assert layers_moved_whole(10, [4, 8, 2], 39, 11, False) == [False, False]
+    assert layers_moved_whole(10, [4, 8, 2], 160, 11, False) == [True, True]
+    assert layers_moved_whole(10, [4, 8, 2], 159, 11, False) == [True, False]
+    assert layers_moved_whole(10, [4, 8, 2], 160, 11, True) == [False, False]
+    # loading each row once: the first layer's plan moves no more bytes and
+    # travels under its pass; a later layer still moves whole (DMA, device adds)
+    assert layers_moved_whole(10, [4, 8, 2], 160, 10, False) == [False, True]
     assert layers_moved_whole(10, [4, 8, 2], 160, 9, False) == [False, False]
-    assert layers_moved_whole(10, [4, 8, 2], 160, 10, True) == [False, False]
     assert row_memory(3, [4, 8, 2], 5) == (2 * 3 + 5) * 8
+    # the budget's leftover grows the memory to the largest need that fits
+    assert grown_row_memory(30, 4 * 200, 10, [4, 8, 2], 11, False) == 160
+    assert grown_row_memory(30, 4 * 100, 10, [4, 8, 2], 11, False) == 40
+    assert grown_row_memory(30, 4 * 100, 10, [4, 8, 2], 10, False) == 30
+    assert grown_row_memory(30, None, 10, [4, 8, 2], 11, False) == 30
+    assert grown_row_memory(30, 4 * 200, 10, [4, 8, 2], 11, True) == 30
 
 
 def test_no_chunk_count_fits_is_a_clear_error():

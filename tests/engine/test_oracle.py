@@ -114,23 +114,28 @@ def test_step_equals_full_graph(case, layer, chunks, checkpoint):
 def test_several_parts_on_one_device(layer, whole):
     graph = CASES["skewed"](seed=2)
     model = make_model(layer)
-    res, g, ex = chunked_step(model, graph, 3, 2, "auto", whole=whole)
-    assert ex._whole == [whole] * model.num_layers
+    res, g, ex = chunked_step(model, graph, 3, 4, "auto", whole=whole)
+    assert ex._whole == [whole] * model.num_layers  # (the plan loads some rows twice)
     ref_loss, ref_grads = reference_step(model, g)
     assert_matches(model, res.loss, ref_loss, ref_grads)
 
 
-# (in the others the plan loads fewer rows than the graph has: no layer moves all)
+# (in the others the plan loads fewer rows than the graph has: no layer after
+# the first moves all)
 @pytest.mark.parametrize("case", sorted(set(CASES) - {"isolated", "self_loops"}))
 @pytest.mark.parametrize("layer", LAYERS)
 @pytest.mark.parametrize("checkpoint", ["auto", "recompute"])
-def test_whole_layer_passes_equal_full_graph(case, layer, checkpoint):
-    """Every layer moving all its rows per pass (they fit the transition buffer
-    here) is the same step as plain full-graph training."""
+@pytest.mark.parametrize("chunks", [3, 6])
+def test_whole_layer_passes_equal_full_graph(case, layer, checkpoint, chunks):
+    """Every layer moving all its rows per pass (they fit the row memory here)
+    is the same step as plain full-graph training; the first layer only when its
+    plan loads more rows than it has (at 6 chunks, not at 3)."""
     graph = CASES[case](seed=1)
     model = make_model(layer)
-    res, g, ex = chunked_step(model, graph, 1, 3, checkpoint, whole=True)
-    assert ex._whole == [True] * model.num_layers
+    res, g, ex = chunked_step(model, graph, 1, chunks, checkpoint, whole=True)
+    more = ex.plan.plan.load_ids.shape[0] > g.num_nodes
+    assert more == (chunks == 6)
+    assert ex._whole == [more] + [True] * (model.num_layers - 1)
     ref_loss, ref_grads = reference_step(model, g)
     assert_matches(model, res.loss, ref_loss, ref_grads)
 
@@ -330,10 +335,14 @@ def test_dropout_masks_change_between_epochs():
     assert r1.loss != r2.loss
 
 
-def test_evaluation_matches_full_graph_logits():
+@pytest.mark.parametrize("layer,whole", [("gat", False), ("gcn", False), ("gcn", True)])
+def test_evaluation_matches_full_graph_logits(layer, whole):
+    """Evaluation logits and accuracy counts equal the in-memory model's (with
+    whole layers, GCN's weight-first layer reads its rows in place)."""
     graph = CASES["skewed"](seed=0)
-    model = make_model("gat")
-    _, g, ex = chunked_step(model, graph, 1, 4, "auto")
+    model = make_model(layer)
+    _, g, ex = chunked_step(model, graph, 1, 4, "auto", whole=whole)
+    assert ex._in_place == [False, whole]
     res = ex.evaluate(epoch=0)
     ref = copy.deepcopy(model).double().eval()
     ref.transform_first = False
@@ -346,6 +355,7 @@ def test_evaluation_matches_full_graph_logits():
     for split in ("train", "val", "test"):
         m = getattr(g, f"{split}_mask")
         assert res.correct[split] == int((pred[m] == g.y[m]).sum())
+        assert res.total[split] == int(m.sum())
 
 
 @pytest.mark.parametrize("layer", LAYERS)
@@ -385,7 +395,7 @@ def test_cuda_step_equals_full_graph(layer, checkpoint, mode):
     graph = CASES["self_loops" if mode == "first-whole" else "skewed"](seed=3)
     model = make_model(layer)
     parts, chunks = {"resident-1": (1, 1), "kept": (2, 6), "whole": (2, 6),
-                     "first-whole": (1, 6)}.get(mode, (2, 3))
+                     "whole-serial": (2, 6), "first-whole": (1, 6)}.get(mode, (2, 3))
     kept = 4 if mode == "kept" else 0
     whole, serial = "whole" in mode, mode.endswith("serial")
     _, _, on_cpu = chunked_step(copy.deepcopy(model), graph, parts, chunks, checkpoint,
@@ -399,7 +409,7 @@ def test_cuda_step_equals_full_graph(layer, checkpoint, mode):
         # (GCN's rows are as narrow in both layers: both move whole.)
         assert ex._whole == on_cpu._whole == [True, layer == "gcn"]
     else:
-        assert ex._whole == [whole] * model.num_layers
+        assert ex._whole == [whole] * model.num_layers  # (the plan loads some rows twice)
     assert (ex.transfer_plan.cached_rows > 0) == (mode == "kept")
     assert ex._copy_blocks == (mode == "copied-blocks")
     moved, expect = ex.mover.traffic, on_cpu.mover.traffic

@@ -177,6 +177,16 @@ def test_aggregate_matches_dense(block, op):
                                rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("op", ops.BUILTIN_AGGREGATIONS)
+def test_aggregate_rows_reads_the_sources_in_place(block, op):
+    """The aggregation of sources read from a table of all rows by their global
+    ids equals that of the gathered rows."""
+    torch.manual_seed(4)
+    rows = torch.randn(N, 3, dtype=torch.float64)
+    expect = ops.aggregate(block, rows[block.src_ids], op)
+    torch.testing.assert_close(ops.aggregate_rows(block, rows, op), expect, rtol=0, atol=1e-12)
+
+
 def test_mean_of_isolated_destination_is_zero():
     block = BLOCKS[2][1]
     x = torch.randn(block.num_src, 3, dtype=torch.float64)
