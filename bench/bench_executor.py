@@ -37,7 +37,9 @@ from hongtu.nn.model import build_model
 #: hongtu configurations compared in one run (the paper's single-GPU ablation)
 SYSTEMS = {
     "hongtu": {"dedup": {"reuse": True, "p2p": True}, "reorg": True},
-    "baseline": {"dedup": {"reuse": False, "p2p": False}, "reorg": False},
+    # no deduplication of any kind (as bench_suite's baseline)
+    "baseline": {"dedup": {"reuse": False, "p2p": False, "cache": False}, "reorg": False,
+                 "whole_layers": False, "ordered_inputs": False},
     "serial": {"dedup": {"reuse": True, "p2p": True}, "reorg": True, "overlap": False},
 }
 

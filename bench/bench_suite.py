@@ -12,7 +12,8 @@ of the sized graphs are kept as messages so the edge counts are exact):
 
 Models: ``gcn2``, ``gcn3`` (hidden 256) and ``gat2`` (4 heads x 64 = 256).
 Systems: ``hongtu`` (dedup + reorg + overlap, spare budget keeps reused rows),
-``baseline`` (no reuse, no P2P, no reorg), ``resident`` (every buffer on the
+``baseline`` (no dedup: no reuse, P2P, reorg, kept rows, whole layers or
+ordered inputs), ``resident`` (every buffer on the
 device, HongTu-IM), ``pyg`` (PyG in memory: GCNConv on a torch CSR adjacency,
 GATConv on edge_index, or OOM); ``serial`` (hongtu without overlap),
 ``nocache`` (hongtu without kept rows), ``recompute`` (hongtu without
@@ -80,7 +81,10 @@ MODELS = {"gcn2": ("gcn", 2), "gcn3": ("gcn", 3), "gat2": ("gat", 2)}
 GAT_HEADS = 4
 SYSTEMS = {
     "hongtu": {"dedup": {"reuse": True, "p2p": True}, "reorg": True, "resident": False},
-    "baseline": {"dedup": {"reuse": False, "p2p": False}, "reorg": False, "resident": False},
+    # no deduplication of any kind: each batch loads all its neighbour rows (no
+    # reuse, P2P, kept rows or whole-layer passes), gathered from pinned memory
+    "baseline": {"dedup": {"reuse": False, "p2p": False, "cache": False}, "reorg": False,
+                 "resident": False, "whole_layers": False, "ordered_inputs": False},
     "serial": {"dedup": {"reuse": True, "p2p": True}, "reorg": True, "resident": False,
                "overlap": False},
     "resident": {"dedup": {"reuse": True, "p2p": True}, "reorg": True, "resident": True},

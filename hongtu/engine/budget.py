@@ -34,8 +34,7 @@ from hongtu.partition._kernels import distinct_sources
 
 __all__ = ["CHUNK_CANDIDATES", "ChunkSizes", "Chunkings", "choose_chunks", "chunk_sizes",
            "estimate_device_bytes", "grown_row_memory", "resident_block_bytes", "row_memory",
-           "slot_widths", "whole_layer_needs",
-           "spare_rows"]
+           "slot_widths", "spare_rows", "whole_layer_needs"]
 
 CHUNK_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512,
                     768, 1024, 1536, 2048, 4096)

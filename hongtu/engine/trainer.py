@@ -219,7 +219,6 @@ class Trainer:
                                dplan.max_later_load if e.overlap else 0)
         left = None if self.room is None or self.resident or not e.whole_layers else \
             self.room - self.estimate - (blocks if self.blocks_fit else 0)
-        ordered = e.ordered_inputs and self.device.type == "cuda"
         row_elements = grown_row_memory(plan_rows, left, b - a, widths,
                                         int(dplan.load_ids.shape[0]), world > 1, itemsize)
         self.estimate += (row_elements - plan_rows) * itemsize
@@ -253,7 +252,8 @@ class Trainer:
             self.transfer_plan.plans[rank], e.checkpoint, cfg.train.seed,
             resident_blocks=self.blocks_fit, comm=self.comm, num_train=int(np.sum(g.train_mask)),
             overlap=e.overlap, whole_layers=e.whole_layers,
-            row_elements=None if self.resident else row_elements, ordered_inputs=ordered)
+            row_elements=None if self.resident else row_elements,
+            ordered_inputs=e.ordered_inputs and self.device.type == "cuda")
         split["executor_s"] = time.perf_counter() - t
         self.optimizer = self._optimizer()
         self.preprocess_s = time.perf_counter() - t0

@@ -182,7 +182,7 @@ class Mover:
             ``load_rows * max_width`` elements; allocated here when ``None``).
     """
 
-    def __init__(self, device: torch.device, slots: dict[str, int], max_width: int,
+    def __init__(self, device: torch.device, slots: dict[str, tuple[int, int]], max_width: int,
                  dtype: torch.dtype, timed: bool = True, stage_rows: int = 0,
                  load_rows: int = 0, overlap: bool = True, stage: Tensor | None = None) -> None:
         self.device = device
