@@ -216,7 +216,8 @@ class Executor:
             every layer moves the plan's neighbour rows.
         row_elements: elements of the device row memory, when the budget left
             more than the plan needs (:func:`~hongtu.engine.budget.grown_row_memory`);
-            default the plan's (:func:`~hongtu.engine.budget.row_memory`).
+            never less than the plan's (:func:`~hongtu.engine.budget.row_memory`),
+            the default.
         ordered_inputs: keep a copy of ``h^0``'s loaded rows in the order the
             plan loads them (pinned), so the first layer's step loads are one
             contiguous copy each (DMA) instead of a gather; host buffers only,
@@ -257,9 +258,7 @@ class Executor:
         rows = 1 if self._direct else max(plan.buffer_rows, 1)
         stage = plan.max_later_load if overlap and not self._direct else 0
         need = row_memory(rows, widths, stage)
-        if row_elements is not None and row_elements < need and not self._direct:
-            raise ValueError(f"row_elements={row_elements}: the plan needs {need}")
-        size = need if row_elements is None or self._direct else int(row_elements)
+        size = need if row_elements is None or self._direct else max(need, int(row_elements))
         self._rowmem = torch.empty(size, dtype=self.dtype, device=device)
         self._tbuf, self._gbuf = self._rowmem[:2 * rows * max(widths)].chunk(2)
         self.mover = Mover(device, {k: (max_dst if w else 0, w) for k, w in slot_w.items()},
