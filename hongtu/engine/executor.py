@@ -311,6 +311,17 @@ class Executor:
             self._blocks = pinned
         self._copy_blocks = device.type != "cpu" and not resident_blocks
 
+    @property
+    def whole_layers(self) -> list[int]:
+        """The layers whose passes move all their rows (:func:`layers_moved_whole`)."""
+        return [l for l, w in enumerate(self._whole) if w]
+
+    @property
+    def ordered_input_bytes(self) -> int:
+        """Host bytes of the first layer's inputs kept in load order (0: none kept)."""
+        t = self._ordered
+        return 0 if t is None else t.numel() * t.element_size()
+
     # ------------------------------------------------------------- helpers
     def _fetch_block(self, c: int, transpose: bool = True):
         """Chunk ``c``'s block, or (blocks not resident) a ticket for its copy

@@ -255,6 +255,15 @@ class Trainer:
             row_elements=None if self.resident else row_elements,
             ordered_inputs=e.ordered_inputs and self.device.type == "cuda")
         split["executor_s"] = time.perf_counter() - t
+        ex, rows = self.executor, []
+        if ex.whole_layers:
+            rows.append("layers moving all their rows per pass (engine.whole_layers): "
+                        + ", ".join(map(str, ex.whole_layers)))
+        if ex.ordered_input_bytes:
+            rows.append(f"first layer's inputs kept in load order (engine.ordered_inputs): "
+                        f"{format_size(ex.ordered_input_bytes)} of pinned host memory")
+        if rows:
+            self.out("\n".join(rows))
         self.optimizer = self._optimizer()
         self.preprocess_s = time.perf_counter() - t0
         #: where setup went: loading, partitioning (parts, chunk count, chunks),

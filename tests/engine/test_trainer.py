@@ -20,3 +20,22 @@ def test_setup_times_add_up(tmp_path):
     assert all(v >= 0 for v in [*times.values(), *split.values()])
     assert math.isclose(sum(times.values()), tr.preprocess_s, rel_tol=1e-9)
     assert sum(split.values()) <= times["other_s"] + 1e-9  # parts of the rest, timed inside it
+
+
+def test_setup_names_the_layers_moved_whole(tmp_path):
+    """The setup lines say which layers move all their rows, as the executor has it."""
+    lines = []
+    base = [f"output.dir={tmp_path}", f"engine.cache_dir={tmp_path}/cache",
+            "engine.accelerator=cpu", "model.hidden=16", "engine.chunks=3"]
+    tr = Trainer(load_config(REPO / "configs" / "gcn_example.yaml", base), overwrite=True,
+                 out=lines.append)
+    assert tr.executor.whole_layers  # (a small graph: its rows fit)
+    named = ", ".join(map(str, tr.executor.whole_layers))
+    assert f"layers moving all their rows per pass (engine.whole_layers): {named}" in lines
+    assert tr.executor.ordered_input_bytes == 0  # (CPU: no ordered copy)
+    lines.clear()
+    off = Trainer(load_config(REPO / "configs" / "gcn_example.yaml",
+                              [*base, "engine.whole_layers=false"]), overwrite=True,
+                  out=lines.append)
+    assert off.executor.whole_layers == []
+    assert not any("all their rows" in x for x in lines)
