@@ -159,6 +159,7 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
         chunk_sizes,
         estimate_device_bytes,
         grown_row_memory,
+        leftover_bytes,
         resident_block_bytes,
         row_memory,
         spare_rows,
@@ -199,9 +200,8 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
     # As training does: what the budget still leaves may let a layer move whole.
     need, first, widths = need_of(plan.plans), plan.plans[0], ctx["model"].row_widths()
     plan_rows = row_memory(first.buffer_rows, widths, first.max_later_load if e.overlap else 0)
-    budget, blocks = ctx["budget"], resident_block_bytes(sizes, ctx["itemsize"])
-    left = None if budget is None or not e.whole_layers else \
-        budget - need - (blocks if need + blocks <= budget else 0)
+    left, _ = leftover_bytes(ctx["budget"], need, resident_block_bytes(sizes, ctx["itemsize"]))
+    left = left if e.whole_layers else None
     rows = grown_row_memory(plan_rows, left, graph.num_nodes, widths,
                             int(first.load_ids.shape[0]), ctx["devices"] > 1, ctx["itemsize"])
     return _Setting(part, plan, name, candidates, need + (rows - plan_rows) * ctx["itemsize"],

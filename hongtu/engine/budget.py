@@ -33,8 +33,8 @@ from hongtu.partition import Chunker, Partition
 from hongtu.partition._kernels import distinct_sources
 
 __all__ = ["CHUNK_CANDIDATES", "ChunkSizes", "Chunkings", "choose_chunks", "chunk_sizes",
-           "estimate_device_bytes", "grown_row_memory", "resident_block_bytes", "row_memory",
-           "slot_widths", "spare_rows", "whole_layer_needs"]
+           "estimate_device_bytes", "grown_row_memory", "leftover_bytes", "resident_block_bytes",
+           "row_memory", "slot_widths", "spare_rows", "whole_layer_needs"]
 
 CHUNK_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512,
                     768, 1024, 1536, 2048, 4096)
@@ -196,11 +196,20 @@ def spare_rows(room: int | None, need: int, blocks: int, row_width: int,
     plan's ``need``; each kept row then costs a slot of the row buffer and of
     its gradient twin (``row_width`` elements each). No budget: nothing kept.
     """
-    if room is None:
+    spare, blocks_fit = leftover_bytes(room, need, blocks)
+    if spare is None:
         return 0, True
-    blocks_fit = need + blocks <= room
-    spare = room - need - (blocks if blocks_fit else 0)
     return max(0, int(spare) // (2 * int(row_width) * int(itemsize))), blocks_fit
+
+
+def leftover_bytes(room: int | None, need: int, blocks: int) -> tuple[int | None, bool]:
+    """What the budget ``room`` leaves after ``need``, and after the chunk blocks
+    when all of them fit next to it: ``(bytes, blocks fit)``; ``(None, True)``
+    without a budget."""
+    if room is None:
+        return None, True
+    blocks_fit = need + blocks <= room
+    return room - need - (blocks if blocks_fit else 0), blocks_fit
 
 
 class Chunkings:

@@ -35,7 +35,7 @@ from hongtu.engine.budget import row_memory, slot_widths, whole_layer_needs
 from hongtu.engine.buffers import HostBuffers, available_host_memory
 from hongtu.engine.chunks import ChunkSet
 from hongtu.engine.comm import Comm
-from hongtu.engine.pinned import pinned_copies, pinned_empty
+from hongtu.engine.pinned import pinned_copies, pinned_tensor
 from hongtu.engine.transfer import Mover, add_rows
 from hongtu.nn import ops
 from hongtu.nn.block import Block
@@ -107,9 +107,7 @@ _HOST_SHARE = 0.8
 def _rows_in_order(h: Tensor, ids: np.ndarray, pin: bool) -> Tensor:
     """``h[ids]`` as a new host tensor (pinned with ``pin``)."""
     shape = (int(ids.shape[0]), int(h.shape[1]))
-    out, ok = pinned_empty(shape, h.dtype) if pin else (None, False)
-    if not ok:
-        out = torch.empty(shape, dtype=h.dtype, pin_memory=pin)
+    out = pinned_tensor(shape, h.dtype) if pin else torch.empty(shape, dtype=h.dtype)
     torch.index_select(h, 0, torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)),
                        out=out)
     return out
@@ -260,19 +258,19 @@ class Executor:
         need = row_memory(rows, widths, stage)
         size = need if row_elements is None or self._direct else max(need, int(row_elements))
         self._rowmem = torch.empty(size, dtype=self.dtype, device=device)
-        self._tbuf, self._gbuf = self._rowmem[:2 * rows * max(widths)].chunk(2)
+        twins = row_memory(rows, widths)  # the buffer and its gradient twin; staging after
+        self._tbuf, self._gbuf = self._rowmem[:twins].chunk(2)
         self.mover = Mover(device, {k: (max_dst if w else 0, w) for k, w in slot_w.items()},
                            max(widths), self.dtype,
                            stage_rows=0 if self.resident else plan.buffer_rows,
-                           load_rows=stage, overlap=overlap,
-                           stage=self._rowmem[2 * rows * max(widths):])
+                           load_rows=stage, overlap=overlap, stage=self._rowmem[twins:])
         ordered = ordered_inputs and not self.resident and (overlap or device.type == "cpu")
         self._whole = layers_moved_whole(buffers.h[0].shape[0], widths, self._rowmem.numel(),
                                          int(plan.load_ids.shape[0]), comm is not None) \
             if whole_layers and not self._direct else [False] * (len(widths) - 1)
         # h^0's rows in load order: step s's loads are rows load_ptr[s]:load_ptr[s+1]
         # (not when host memory would not hold the copy: the rows are gathered then).
-        self._ordered = None
+        self._ordered, self._first_in_place = None, False
         copy_bytes = int(plan.load_ids.shape[0]) * widths[0] * buffers.h[0].element_size()
         room = _HOST_SHARE * available_host_memory() if device.type == "cuda" else float("inf")
         if ordered and not self._whole[0] and 0 < copy_bytes <= room:
@@ -282,11 +280,10 @@ class Executor:
             self._first_in_place = bool(np.array_equal(np.asarray(plan.load_slots[:n0]),
                                                        np.arange(n0)))
         self.labels = labels.to(device)
-        self.masks = {k: m.to(device) for k, m in masks.items()}
         self.num_train = max(int(masks["train"].sum()) if num_train is None else num_train, 1)
         # For the loss: the split masks side by side (their sizes are constant:
         # counted once per pass) and the labels as gather indices.
-        self._splits = torch.stack([self.masks[k] for k in _SPLITS], 1)
+        self._splits = torch.stack([masks[k] for k in _SPLITS], 1).to(device)
         self._split_sizes = self._splits.sum(0).to(torch.float64)
         self._label_cols = self.labels.clamp(0, model.layers[-1].out_width - 1).unsqueeze(1)
         # Whole layers that aggregate rows as they are kept (weight first: no
@@ -417,16 +414,14 @@ class Executor:
                 with mv.timing("time_compute_s"):
                     if self._in_place[l]:
                         a = ops.aggregate_rows(block, self._whole_rows(l), layer.aggr)
-                        out = model.step_update(l, block, a, x_dst, seed, nxt)
                     elif self.cached[l] and train:
-                        x_src = self._sources(l, q, block, tbuf)
-                        a = model.step_aggregate(l, block, x_src, seed)
-                        out = model.step_update(l, block, a, x_dst, seed, nxt)
+                        a = model.step_aggregate(l, block, self._sources(l, q, block, tbuf), seed)
                     else:
-                        x_src = self._sources(l, q, block, tbuf)
                         a = None
-                        out = model.step_forward(l, block, x_src, x_dst, seed, nxt)
-                    a = a if self.cached[l] and train else None
+                    out = model.step_update(l, block, a, x_dst, seed, nxt) if a is not None \
+                        else model.step_forward(l, block, self._sources(l, q, block, tbuf),
+                                                x_dst, seed, nxt)
+                    a = a if self.cached[l] and train else None  # stored for backward
                     grad = self._output(out, v0, v1, train, acc) if l == L - 1 else None
                 if a is not None:
                     mv.store_range(buf.agg[l], v0, a)

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["pinned_empty", "pinned_copies", "pin_in_place", "device_view", "unpin"]
+__all__ = ["pinned_empty", "pinned_tensor", "pinned_copies", "pin_in_place", "device_view",
+           "unpin"]
 
 _SLAB = 64 << 30
 _PAGE = 4096
@@ -55,6 +56,13 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Tensor, bo
         weakref.finalize(raw, _unregister, region.data_ptr(), padded)
     t = region[: numel * itemsize].view(dtype).view(shape)
     return t, ok
+
+
+def pinned_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """A pinned host tensor: registered in place (:func:`pinned_empty`), else from
+    torch's pinned allocator."""
+    t, ok = pinned_empty(shape, dtype)
+    return t if ok else torch.empty(shape, dtype=dtype, pin_memory=True)
 
 
 def pinned_copies(tensors: list[Tensor]) -> list[Tensor]:

@@ -32,6 +32,7 @@ from hongtu.engine.budget import (
     choose_chunks,
     estimate_device_bytes,
     grown_row_memory,
+    leftover_bytes,
     resident_block_bytes,
     row_memory,
     spare_rows,
@@ -211,14 +212,13 @@ class Trainer:
             neighbours=neighbours)
         self.plan_s = time.perf_counter() - t_plan
         self.estimate = estimate(self.transfer_plan.plans[rank])
-        # (Kept rows only take what the blocks leave, when the blocks fit.)
-        self.blocks_fit = self.room is None or self.estimate + blocks <= self.room
-        # What the budget still leaves may let a layer's rows move whole.
+        # (Kept rows only take what the blocks leave, when the blocks fit.) What
+        # the budget still leaves may let a layer's rows move whole.
+        left, self.blocks_fit = leftover_bytes(self.room, self.estimate, blocks)
+        left = None if self.resident or not e.whole_layers else left
         dplan, widths = self.transfer_plan.plans[rank], self.model.row_widths()
         plan_rows = row_memory(dplan.buffer_rows, widths,
                                dplan.max_later_load if e.overlap else 0)
-        left = None if self.room is None or self.resident or not e.whole_layers else \
-            self.room - self.estimate - (blocks if self.blocks_fit else 0)
         row_elements = grown_row_memory(plan_rows, left, b - a, widths,
                                         int(dplan.load_ids.shape[0]), world > 1, itemsize)
         self.estimate += (row_elements - plan_rows) * itemsize

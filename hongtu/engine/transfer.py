@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hongtu.engine.pinned import device_view, pinned_empty
+from hongtu.engine.pinned import device_view, pinned_tensor
 
 __all__ = ["Mover", "Ticket", "Traffic", "add_rows", "copy_rows"]
 
@@ -155,12 +155,6 @@ def add_rows(dst: Tensor, ids: Tensor, src: Tensor) -> None:
         dst.index_add_(0, ids, src)
 
 
-def _pinned(numel: int, dtype: torch.dtype) -> Tensor:
-    """A pinned host tensor: registered in place, else from torch's pinned allocator."""
-    t, ok = pinned_empty((numel,), dtype)
-    return t if ok else torch.empty(numel, dtype=dtype, pin_memory=True)
-
-
 class Mover:
     """Host↔device row transfers with counters.
 
@@ -208,7 +202,8 @@ class Mover:
         # Pinned staging areas for gradient flushes: they receive flushes by DMA
         # while a worker thread adds earlier ones into host memory.
         stage = max(max(r for r, _ in slots.values()), int(stage_rows), 1) * w
-        self._stages = ([_pinned(stage, dtype) for _ in range(_STAGES)] if self.cuda else None)
+        self._stages = ([pinned_tensor((stage,), dtype) for _ in range(_STAGES)]
+                        if self.cuda else None)
         self._flip = 0
         self._adder = _Adder(self.traffic) if self.cuda else None
         if self._adder is not None:
