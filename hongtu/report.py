@@ -90,33 +90,45 @@ def _replication(graph: Graph, method: str, seed: int, cache_dir: str,
     return rows, skipped
 
 
-def _traffic(widths, cached, needs_dst, itemsize: int, num_nodes: int, h2d_rows: int,
-             d2h_rows: int, whole: list[bool] | None = None) -> dict:
+def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h2d_rows: int,
+             d2h_rows: int, whole: list[bool], rows_kept: bool = False) -> dict:
     """Bytes of one training step (forward, loss, backward) as the executor moves them.
 
-    ``whole[l]``: layer ``l``'s passes move all its rows (and gradients) at once
-    instead of the plan's rows (:func:`~hongtu.engine.executor.layers_moved_whole`).
+    ``cached[l]``: layer ``l``'s backward reads no rows, ``stored[l]``: its
+    aggregate goes to host memory and back. ``whole[l]``: its passes move all
+    its rows (and gradients) at once instead of the plan's rows
+    (:func:`~hongtu.engine.executor.layers_moved_whole`); gradients that stay
+    on the device between passes (:func:`~hongtu.engine.executor.gradients_kept`)
+    move not at all, nor does ``h^1`` in training with ``rows_kept``
+    (:func:`~hongtu.engine.executor.rows_kept_at`).
     """
+    from hongtu.engine.executor import gradients_kept
+
     n = num_nodes
+    kept = gradients_kept(whole, cached, widths)
     layers = []
     for l in range(len(widths) - 1):
         row, out = widths[l] * itemsize, widths[l + 1] * itemsize
         dst = n * row if needs_dst[l] else 0
-        all_rows = bool(whole and whole[l])
+        all_rows = whole[l]
         loads = n * row if all_rows else h2d_rows * row
+        # (h^1 left on the device in training, not in evaluation)
+        kept_rows = rows_kept and l < 2
+        made = 0 if kept_rows and l == 0 else n * out  # h^{l+1} (∇h^L) stored
         layers.append({
             "layer": l, "width": widths[l], "row_bytes": row, "cached": cached[l],
             "whole": all_rows,
-            "forward_bytes": loads,
+            "forward_bytes": 0 if kept_rows and l == 1 else loads,
             "backward_reload_bytes": 0 if cached[l] else loads,
-            "flush_bytes": (n if all_rows else d2h_rows) * row if l > 0 else 0,
-            "aggregate_d2h_bytes": n * row if cached[l] else 0,
-            "aggregate_h2d_bytes": n * row if cached[l] else 0,
+            "flush_bytes": 0 if l == 0 or kept[l] else (n if all_rows else d2h_rows) * row,
+            "aggregate_d2h_bytes": n * row if stored[l] else 0,
+            "aggregate_h2d_bytes": n * row if stored[l] else 0,
             # own rows h^l[V] (forward and backward), ∇h^{l+1}[V] in backward
-            "range_h2d_bytes": 2 * dst + n * out,
+            "range_h2d_bytes": 2 * dst + (0 if kept[l + 1] else n * out),
             # h^{l+1}[V] (∇h^L for the last layer), ∇h^l[V] of the own rows
             # (added on the device when the layer's gradients stay there whole)
-            "range_d2h_bytes": n * out + (dst if l > 0 and not all_rows else 0),
+            "range_d2h_bytes": (0 if l == len(widths) - 2 and kept[-1] else made)
+            + (dst if l > 0 and not all_rows else 0),
             "evaluation_bytes": loads + dst + n * out,
         })
     t = {k: sum(x[k] for x in layers) for k in layers[0] if k.endswith("_bytes")}
@@ -164,6 +176,7 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
         row_memory,
         spare_rows,
     )
+    from hongtu.engine.executor import reads_rows_once
 
     e = ctx["engine"]
     part = chunk_partition(graph, assignment, n, num_parts=m, method=e.partitioner,
@@ -202,8 +215,10 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
     plan_rows = row_memory(first.buffer_rows, widths, first.max_later_load if e.overlap else 0)
     left, _ = leftover_bytes(ctx["budget"], need, resident_block_bytes(sizes, ctx["itemsize"]))
     left = left if e.whole_layers else None
+    once = reads_rows_once(ctx["model"], e.checkpoint)
     rows = grown_row_memory(plan_rows, left, graph.num_nodes, widths,
-                            int(first.load_ids.shape[0]), ctx["devices"] > 1, ctx["itemsize"])
+                            int(first.load_ids.shape[0]), ctx["devices"] > 1, ctx["itemsize"],
+                            keep_rows=len(once) > 1 and once[1])
     return _Setting(part, plan, name, candidates, need + (rows - plan_rows) * ctx["itemsize"],
                     rows)
 
@@ -279,7 +294,12 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         parts_list: part counts of the α table (default :data:`PARTS_LIST`).
         chunks_list: chunk counts to compare (default ``n`` and its neighbours).
     """
-    from hongtu.engine.executor import layers_moved_whole
+    from hongtu.engine.executor import (
+        first_layer_busy,
+        layers_moved_whole,
+        reads_rows_once,
+        rows_kept_at,
+    )
     from hongtu.engine.trainer import load_data
     from hongtu.nn.model import build_model
 
@@ -301,6 +321,8 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         m = e.devices
     widths, itemsize = model.row_widths(), 4
     cached = model.cached_layers(e.checkpoint)
+    stored = model.stored_aggregates(e.checkpoint)
+    once = reads_rows_once(model, e.checkpoint)
     needs_dst = [bool(layer.needs_dst) for layer in model.layers]
     passes = [1 + (not cached[l]) + (l > 0) for l in range(len(cached))]
     tp = resolve_throughput(e)
@@ -321,12 +343,15 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     t["plan_s"] = time.perf_counter() - t0
 
     def traffic_of(s: _Setting) -> dict:
-        plan = s.plan
-        whole = layers_moved_whole(graph.num_nodes, widths, s.row_elements,
-                                   int(plan.plans[0].load_ids.shape[0]), e.devices > 1) \
-            if e.whole_layers else None
-        return _traffic(widths, cached, needs_dst, itemsize, graph.num_nodes, plan.h2d_rows,
-                        plan.d2h_rows, whole)
+        plan, first, n = s.plan, s.plan.plans[0], graph.num_nodes
+        whole = layers_moved_whole(n, widths, s.row_elements, int(first.load_ids.shape[0]),
+                                   e.devices > 1) \
+            if e.whole_layers else [False] * len(cached)
+        busy = first_layer_busy(n, widths, first.buffer_rows,
+                                first.max_later_load if e.overlap else 0, whole[0])
+        kept = rows_kept_at(n, widths, s.row_elements, whole, once, busy) is not None
+        return _traffic(widths, cached, stored, needs_dst, itemsize, n, plan.h2d_rows,
+                        plan.d2h_rows, whole, kept)
 
     t0 = time.perf_counter()
     memory = []

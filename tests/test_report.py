@@ -17,7 +17,7 @@ from hongtu.config import load_config
 from hongtu.dedup import TransferPlan, plan_transfers
 from hongtu.dedup.sets import identity_order
 from hongtu.engine.budget import row_memory
-from hongtu.engine.executor import layers_moved_whole
+from hongtu.engine.executor import first_layer_busy, layers_moved_whole, rows_kept_at
 from hongtu.engine.trainer import Trainer, load_data
 from hongtu.errors import UserError
 from hongtu.partition import partition_graph, partition_stats
@@ -89,14 +89,19 @@ def test_json_volumes_equal_the_planner(capsys, tmp_path, report_json):
     cands = d["volumes"]["candidates"]
     assert cands[d["volumes"]["with_reorg"]]["cost_s"] <= cands["identity"]["cost_s"]
     # per-layer bytes are rows x width x 4: the plan's rows, or all of them for a
-    # layer whose rows fit the device row memory (layers_moved_whole)
+    # layer whose rows fit the device row memory (layers_moved_whole), none for
+    # h^1 left on the device by the first layer's pass (rows_kept_at)
     dp = chosen.plans[0]
     memory = row_memory(dp.buffer_rows, d["model"]["widths"], dp.max_later_load)
     # (no budget: the plan's memory)
-    whole = layers_moved_whole(n, d["model"]["widths"], memory, dp.load_ids.shape[0], False)
-    for layer, all_rows in zip(d["transfers"]["layers"], whole):
+    widths = d["model"]["widths"]
+    whole = layers_moved_whole(n, widths, memory, dp.load_ids.shape[0], False)
+    busy = first_layer_busy(n, widths, dp.buffer_rows, dp.max_later_load, whole[0])
+    kept = rows_kept_at(n, widths, memory, whole, [True, True], busy) is not None
+    assert kept  # (GCN: the second layer reads its rows in forward only)
+    for l, (layer, all_rows) in enumerate(zip(d["transfers"]["layers"], whole)):
         assert layer["whole"] == all_rows
-        rows = n if all_rows else chosen.h2d_rows
+        rows = 0 if l == 1 and kept else n if all_rows else chosen.h2d_rows
         assert layer["forward_bytes"] == rows * layer["width"] * 4
 
 
@@ -125,12 +130,17 @@ def test_alpha_skips_part_counts_above_half_the_vertices(tmp_path):
     [],
     ["model.layer=sage", "model.layers=3", "engine.dedup.reuse=false"],
     ["model.layer=gat", "model.heads=2", "model.hidden=8", "engine.partitioner=random"],
-], ids=["gcn-cached", "sage-no-reuse", "gat-recomputed"])
+    ["engine.parts=1"],
+    ["engine.parts=1", "model.layers=3"],
+], ids=["gcn-cached", "sage-no-reuse", "gat-recomputed", "gcn-whole", "gcn3-whole"])
 def test_predicted_bytes_equal_what_the_engine_moves(tmp_path, extra):
 
     cfg = load_config(CONFIG, base(tmp_path, f"output.dir={tmp_path / 'run'}", *extra))
     epoch = build_report(cfg, parts_list=[], chunks_list=[]).data["transfers"]["epoch"]
     trainer = Trainer(cfg, out=lambda _: None)
+    if "engine.parts=1" in extra:  # every layer whole; gradients kept on the device
+        ex = trainer.executor
+        assert all(ex._whole) and ex._kept[1] and ex._kept[-1]
     step = trainer.run_epoch(0, evaluate=False)
     assert (step["h2d_bytes"], step["d2h_bytes"]) == (epoch["h2d_bytes"], epoch["d2h_bytes"])
     both = trainer.run_epoch(1, evaluate=True)

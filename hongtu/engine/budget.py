@@ -110,23 +110,31 @@ def whole_layer_needs(num_rows: int, widths: list[int], load_rows: int,
 
 
 def grown_row_memory(memory: int, spare_bytes: int | None, num_rows: int, widths: list[int],
-                     load_rows: int, exchange: bool, itemsize: int = 4) -> int:
+                     load_rows: int, exchange: bool, itemsize: int = 4,
+                     keep_rows: bool = False) -> int:
     """The row memory to allocate (elements): the plan's ``memory``, grown by at
     most ``spare_bytes`` when that lets more layers move whole
-    (:func:`whole_layer_needs`): to the largest need that fits. No budget
-    (``None``) or nothing to gain: the plan's."""
+    (:func:`whole_layer_needs`): to the largest need that fits. With
+    ``keep_rows`` (the second layer is cached), room for ``h^1`` after the
+    first layer's plan memory also counts: the first layer's pass leaves its
+    rows on the device (:func:`~hongtu.engine.executor.rows_kept_at`). No
+    budget (``None``) or nothing to gain: the plan's."""
     if not spare_bytes or spare_bytes <= 0:
         return int(memory)
     top = int(memory) + int(spare_bytes) // itemsize
     needs = whole_layer_needs(num_rows, widths, load_rows, exchange)
+    if keep_rows and len(needs) > 1 and needs[1] is not None:
+        size = num_rows * widths[1]
+        needs.append(size + max(size, int(memory)))
     return max([n for n in needs if n is not None and n <= top] + [int(memory)])
 
 
 def slot_widths(model: GNN, cached: list[bool] | None = None) -> dict[str, int]:
     """Widths of the destination-row slots a pass fills: a layer's own rows
-    (layers that read them), the cached aggregate (``cached``: default every
-    cacheable layer), and ``∇h^{l+1}`` (0: unused)."""
-    cached = model.cached_layers() if cached is None else cached
+    (layers that read them), the cached aggregate (``cached``: the layers that
+    store one, default :meth:`~hongtu.nn.model.GNN.stored_aggregates`), and
+    ``∇h^{l+1}`` (0: unused)."""
+    cached = model.stored_aggregates() if cached is None else cached
     widths = model.row_widths()
     layers = range(model.num_layers)
     return {"dst": max((widths[l] for l in layers if model.layers[l].needs_dst), default=0),

@@ -36,7 +36,7 @@ from hongtu.engine.buffers import HostBuffers, available_host_memory
 from hongtu.engine.chunks import ChunkSet
 from hongtu.engine.comm import Comm
 from hongtu.engine.pinned import pinned_copies, pinned_tensor
-from hongtu.engine.transfer import Mover, add_rows
+from hongtu.engine.transfer import Mover, Ticket, add_rows
 from hongtu.nn import ops
 from hongtu.nn.block import Block
 from hongtu.nn.model import GNN, layer_seed
@@ -98,6 +98,71 @@ def layers_moved_whole(num_rows: int, widths: list[int], memory: int, load_rows:
     memory (``memory`` elements, :func:`~hongtu.engine.budget.row_memory`)."""
     return [n is not None and n <= int(memory)
             for n in whole_layer_needs(num_rows, widths, load_rows, exchange)]
+
+
+def gradients_kept(whole: list[bool], cached: list[bool], widths: list[int]) -> list[bool]:
+    """For ``l = 0 .. L``: whether ``∇h^l`` stays in device memory from the
+    pass that makes it to the pass that reads it (no store, no load).
+
+    ``widths`` are the rows' widths (``L + 1``). The loss gradient ``∇h^L``
+    when the last layer (not the first: its whole rows have no gradient half)
+    moves whole and is cached: its backward reads no rows, so the rows' half of
+    the row memory collects ``∇h^{L-1}`` and the other half holds ``∇h^L``
+    from the forward pass. ``∇h^1`` when layer 1 moves
+    whole and layer 0 is cached: layer 0's backward uses no row memory
+    (its inputs carry no gradient), so layer 1's gradients stay where they
+    were added up.
+    """
+    L = len(widths) - 1
+    kept = [False] * (L + 1)
+    if L > 1:
+        kept[L] = whole[L - 1] and cached[L - 1] and widths[L] <= widths[L - 1]
+        kept[1] = whole[1] and cached[0]
+    return kept
+
+
+def reads_rows_once(model: GNN, checkpoint: str) -> list[bool]:
+    """Layers that read their rows ``h^l`` in the forward pass's aggregation
+    only: cached (backward reads no rows) and not reading their own rows."""
+    return [c and not layer.needs_dst
+            for c, layer in zip(model.cached_layers(checkpoint), model.layers)]
+
+
+def first_layer_busy(num_rows: int, widths: list[int], buffer_rows: int, stage_rows: int,
+                     whole: bool) -> list[tuple[int, int]]:
+    """The row memory the first layer's forward pass uses, as ``[a, b)`` element
+    ranges: all its rows when it moves whole, else its transition buffer (at
+    the start) and the staging of its next step's rows (after both twins)."""
+    if whole:
+        return [(0, num_rows * widths[0])]
+    rows = max(int(buffer_rows), 1)
+    twins = row_memory(rows, widths)
+    return [(0, rows * widths[0])] + ([(twins, twins + int(stage_rows) * max(widths))]
+                                      if stage_rows else [])
+
+
+def rows_kept_at(num_rows: int, widths: list[int], memory: int, whole: list[bool],
+                 read_once: list[bool], busy: list[tuple[int, int]]) -> int | None:
+    """Where ``h^1`` may stay in the row memory from the first layer's forward
+    pass to the second's (element offset), or ``None``.
+
+    Only for a second layer that moves whole and reads its rows only there
+    (``read_once[1]``: cached, its own rows not read; :func:`reads_rows_once`):
+    nothing reads the host copy of ``h^1`` then. Its rows go
+    to the first place, after the start or after a range the first layer's
+    forward uses (``busy``, :func:`first_layer_busy`), where they fit beside that
+    range and leave room for their gradients: ``[0, n)`` when the rows start
+    past it, else right after them.
+    """
+    if len(widths) < 3 or not whole[1] or not read_once[1]:
+        return None
+    size = num_rows * widths[1]
+    for a in sorted({0, size} | {b for _, b in busy}):
+        grads = 0 if a >= size else a + size
+        if (max(a, grads) + size <= memory
+                and all(a + size <= x or a >= y for x, y in busy)):
+            return a
+    return None
 
 
 #: the ordered copy of the inputs may take at most this share of the available host memory
@@ -234,6 +299,7 @@ class Executor:
         self.device = device
         self.seed = seed
         self.cached = model.cached_layers(checkpoint)
+        self.stored = model.stored_aggregates(checkpoint)  # cached with an aggregate to keep
         self.dtype = buffers.h[1].dtype
         widths = model.row_widths()
         self.comm = comm
@@ -246,7 +312,7 @@ class Executor:
         # Staging for destination rows (none when the buffers are on the device:
         # a range is then a view of them), each slot as wide as what it holds.
         max_dst = 0 if self.resident else chunks.max_rows()[1]
-        slot_w = slot_widths(model, self.cached)
+        slot_w = slot_widths(model, self.stored)
         # Resident on one device: chunks read h^l and add into ∇h^l in place, so
         # the transition buffer and the transfer plan are not needed.
         self._direct = self.resident and comm is None
@@ -289,6 +355,31 @@ class Executor:
         # Whole layers that aggregate rows as they are kept (weight first: no
         # dropout to apply first) read them in place, without a gathered copy.
         self._in_place = [w and model.transforms_first(l) for l, w in enumerate(self._whole)]
+        # A cached first layer moving the plan's rows (one process) aggregates
+        # them where they lie in the transition buffer, dropped out once as
+        # they arrive (a slot holds one row for the whole pass; backward reads
+        # none of them), instead of gathering and dropping each chunk's copy.
+        self._first_in_slots = (not self._direct and comm is None and not self._whole[0]
+                                and self.cached[0])
+        self._piece = max(chunks.max_rows()[0], 1)  # rows dropped at a time
+        # Gradients handed from pass to pass in the row memory, and the half of
+        # a whole layer's row memory its sources' gradients add up in (the rows'
+        # half when the other holds ∇h^L).
+        self._kept = gradients_kept(self._whole, self.cached, widths)
+        self._ghalf = [1] * len(self._whole)
+        if self._kept[-1]:
+            self._ghalf[-1] = 0
+        # Where whole layers keep their rows and gradients (element offsets);
+        # h^1 may stay from the first layer's forward pass to the second's.
+        n = buffers.h[0].shape[0]
+        self._at = [(0, n * w) for w in widths[:-1]]
+        at = rows_kept_at(n, widths, self._rowmem.numel(), self._whole,
+                          reads_rows_once(model, checkpoint),
+                          first_layer_busy(n, widths, plan.buffer_rows, stage, self._whole[0]))
+        self.rows_kept = at is not None
+        if self.rows_kept:
+            size = n * widths[1]
+            self._at[1] = (at, 0 if at >= size else at + size)
         if device.type == "cpu":
             self._blocks = chunks.blocks
         elif resident_blocks:
@@ -314,6 +405,13 @@ class Executor:
         return [l for l, w in enumerate(self._whole) if w]
 
     @property
+    def kept_on_device(self) -> list[str]:
+        """What a training step hands from pass to pass in device memory instead
+        of through host memory: ``h^1`` (:func:`rows_kept_at`) and gradients
+        (:func:`gradients_kept`)."""
+        return ["h^1"] * self.rows_kept + [f"grad h^{l}" for l, k in enumerate(self._kept) if k]
+
+    @property
     def ordered_input_bytes(self) -> int:
         """Host bytes of the first layer's inputs kept in load order (0: none kept)."""
         t = self._ordered
@@ -335,8 +433,16 @@ class Executor:
 
     def _whole_rows(self, l: int, k: int = 0) -> Tensor:
         """A whole layer's rows (``k = 0``) or their gradients (``k = 1``) on the device."""
-        n, w = self.buf.h[0].shape[0], self.buf.h[l].shape[1]
-        return self._rowmem[k * n * w:(k + 1) * n * w].view(n, w)
+        n, w, at = self.buf.h[0].shape[0], self.buf.h[l].shape[1], self._at[l][k]
+        return self._rowmem[at:at + n * w].view(n, w)
+
+    def _grad_rows(self, l: int) -> Tensor:
+        """Where ``∇h^l`` is kept on the device (:func:`gradients_kept`): ``∇h^L``
+        in the last layer's gradient room, else where layer ``l`` added it up."""
+        if l < len(self._whole):
+            return self._whole_rows(l, self._ghalf[l])
+        n, at = self.buf.h[0].shape[0], self._at[l - 1][1]
+        return self._rowmem[at:at + n * self.buf.h[l].shape[1]].view(n, -1)
 
     def _sources(self, l: int, q: int, block: Block, tbuf: Tensor) -> Tensor:
         """``h^l[N_c]``: from the transition buffer, or (resident) from ``h^l`` itself."""
@@ -350,7 +456,7 @@ class Executor:
     def _add_sources(self, l: int, q: int, block: Block, gbuf: Tensor, g: Tensor) -> None:
         """``∇h^l[N_c] += g``: at the rows' slots, or (resident) into ``∇h^l`` itself."""
         if self._whole[l]:
-            add_rows(self._whole_rows(l, 1), block.src_ids, g)
+            add_rows(self._whole_rows(l, self._ghalf[l]), block.src_ids, g)
         elif not self._direct:
             add_rows(gbuf, self.plan.slots(q), g)
         elif block.num_src == g.shape[0] == self.buf.grad[l].shape[0]:
@@ -374,6 +480,17 @@ class Executor:
                                         direct=s == 0)
         return self.mover.fetch_rows(self.buf.h[l], ids, slots, tbuf, direct=s == 0)
 
+    def _drop_loaded(self, s: int, tbuf: Tensor, seed: int) -> None:
+        """Apply the first layer's dropout to the rows step ``s`` brought, in their slots."""
+        if self.model.p <= 0:
+            return
+        ids, slots = self.plan.load(s)
+        with self.mover.timing("time_compute_s"):
+            for a in range(0, ids.shape[0], self._piece):
+                at = slots[a:a + self._piece]
+                tbuf.index_copy_(0, at, self.model.drop_sources(0, tbuf.index_select(0, at),
+                                                                ids[a:a + self._piece], seed))
+
     def _seed(self, epoch: int, l: int) -> int:
         return layer_seed(self.seed, epoch, l)
 
@@ -389,6 +506,9 @@ class Executor:
         model.train(train)
         L = model.num_layers
         acc = torch.zeros(7, dtype=torch.float64, device=self.device)  # loss, correct, total
+        # h^1 stays on the device for the second layer's pass (in training:
+        # evaluation leaves every h^l in host memory, where predict reads them)
+        keep = self.rows_kept and train
         for l in range(L):
             layer = model.layers[l]
             seed, nxt = self._seed(epoch, l), self._seed(epoch, l + 1)
@@ -397,16 +517,19 @@ class Executor:
             def fetch(i, l=l, layer=layer, tbuf=tbuf):
                 s, _, c, first, _ = plan.items[i]
                 v0, v1 = self.chunks.range(c)
-                rows = self._fetch_rows(l, i, s, first, tbuf)
+                rows = None if l == 1 and keep else self._fetch_rows(l, i, s, first, tbuf)
                 dst = mv.fetch_range(buf.h[l], v0, v1, "dst") if layer.needs_dst else None
                 return rows, dst, self._fetch_block(c, transpose=layer.reads_transpose)
 
             def run(i, fetched, fetch_next, l=l, layer=layer, seed=seed, nxt=nxt, tbuf=tbuf):
                 s, q, c, _, _ = plan.items[i]
                 rows, dst, block = fetched
+                in_slots = l == 0 and self._first_in_slots
                 if rows is not None:
                     mv.place(rows)
                     self._exchange(s, tbuf)
+                    if in_slots and train:
+                        self._drop_loaded(s, tbuf, seed)
                 fetch_next()
                 block = self._take_block(block)
                 v0, v1 = self.chunks.range(c)
@@ -414,6 +537,8 @@ class Executor:
                 with mv.timing("time_compute_s"):
                     if self._in_place[l]:
                         a = ops.aggregate_rows(block, self._whole_rows(l), layer.aggr)
+                    elif in_slots:
+                        a = ops.aggregate_rows(block, tbuf, layer.aggr, self.plan.slots(q))
                     elif self.cached[l] and train:
                         a = model.step_aggregate(l, block, self._sources(l, q, block, tbuf), seed)
                     else:
@@ -421,12 +546,16 @@ class Executor:
                     out = model.step_update(l, block, a, x_dst, seed, nxt) if a is not None \
                         else model.step_forward(l, block, self._sources(l, q, block, tbuf),
                                                 x_dst, seed, nxt)
-                    a = a if self.cached[l] and train else None  # stored for backward
+                    a = a if self.stored[l] and train else None  # stored for backward
                     grad = self._output(out, v0, v1, train, acc) if l == L - 1 else None
                 if a is not None:
                     mv.store_range(buf.agg[l], v0, a)
-                if l < L - 1:
+                if l == 0 and keep:
+                    self._whole_rows(1)[v0:v1].copy_(out)
+                elif l < L - 1:
                     mv.store_range(buf.h[l + 1], v0, out)
+                elif train and self._kept[-1]:
+                    self._grad_rows(L)[v0:v1].copy_(grad)
                 elif train:
                     mv.store_range(buf.grad[-1], v0, grad)
                 else:
@@ -542,7 +671,7 @@ class Executor:
             if write:
                 buf.grad[l][torch.from_numpy(plan.unwritten)] = 0
             elif need_in and whole:
-                self._whole_rows(l, 1).zero_()
+                self._whole_rows(l, self._ghalf[l]).zero_()
             elif need_in:
                 buf.grad[l].zero_()
 
@@ -554,9 +683,10 @@ class Executor:
                 s, _, c, first, _ = plan.items[i]
                 v0, v1 = self.chunks.range(c)
                 rows = None if self.cached[l] else self._fetch_rows(l, i, s, first, tbuf)
-                g_out = mv.fetch_range(buf.grad[l + 1], v0, v1, "grad")
+                g_out = Ticket(self._grad_rows(l + 1)[v0:v1]) if self._kept[l + 1] \
+                    else mv.fetch_range(buf.grad[l + 1], v0, v1, "grad")
                 dst = mv.fetch_range(buf.h[l], v0, v1, "dst") if layer.needs_dst else None
-                agg = mv.fetch_range(buf.agg[l], v0, v1, "aux") if self.cached[l] else None
+                agg = mv.fetch_range(buf.agg[l], v0, v1, "aux") if self.stored[l] else None
                 block = self._blocks[c] if no_graph else self._fetch_block(c)
                 return rows, g_out, dst, agg, block
 
@@ -585,8 +715,8 @@ class Executor:
                     mv.flush_rows(buf.grad[l], ids, slots, gbuf, ids_dev=ids_dev)
 
             self._run_pass(fetch, run)
-            if need_in and self._whole[l]:
-                mv.store_range(buf.grad[l], 0, self._whole_rows(l, 1))
+            if need_in and self._whole[l] and not self._kept[l]:
+                mv.store_range(buf.grad[l], 0, self._whole_rows(l, self._ghalf[l]))
                 mv.join()  # the next pass reuses that memory
             mv.drain()  # ∇h^l complete in host memory before layer l-1 reads it
         if self.comm is not None:
@@ -600,9 +730,13 @@ class Executor:
         v0, _ = self.chunks.range(c)
         g_out = mv.take(g_out)
         x_dst = mv.take(dst).detach().requires_grad_(need_in) if dst is not None else None
-        a = mv.take(agg).detach().requires_grad_(need_in) if agg is not None else None
+        # (A cached layer that stores no aggregate: finish only adds, so any a
+        # gives the same gradients; zeros.)
+        a = None if not self.cached[l] else torch.zeros_like(g_out) if agg is None \
+            else mv.take(agg)
         with mv.timing("time_compute_s"), torch.enable_grad():
             if a is not None:
+                a = a.detach().requires_grad_(need_in)
                 out = model.step_update(l, block, a, x_dst, seed, nxt)
                 _backward(out, g_out)
                 g_src = (model.step_aggregate_transpose(l, block, a.grad, seed)
@@ -616,7 +750,7 @@ class Executor:
                 self._add_sources(l, q, block, gbuf, g_src)
         if need_in and x_dst is not None and x_dst.grad is not None:
             if self._whole[l]:
-                self._whole_rows(l, 1)[v0:v0 + x_dst.shape[0]].add_(x_dst.grad)
+                self._whole_rows(l, self._ghalf[l])[v0:v0 + x_dst.shape[0]].add_(x_dst.grad)
             else:
                 mv.add_range(buf.grad[l], v0, x_dst.grad)
 

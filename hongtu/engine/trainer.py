@@ -41,7 +41,7 @@ from hongtu.engine.buffers import BufferPlan, HostBuffers
 from hongtu.engine.checkpoint import CHECKPOINT, atomic_torch_save, load_checkpoint, save_checkpoint
 from hongtu.engine.chunks import ChunkSet
 from hongtu.engine.comm import in_distributed_launch, init_from_env
-from hongtu.engine.executor import Executor
+from hongtu.engine.executor import Executor, reads_rows_once
 from hongtu.errors import UserError
 from hongtu.graph import Graph
 from hongtu.nn.model import GNN, build_model, describe_layers
@@ -152,12 +152,13 @@ class Trainer:
             self.comm.barrier()
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.budget = self._budget()
-        cached = self.model.cached_layers(e.checkpoint)
+        stored = self.model.stored_aggregates(e.checkpoint)  # host buffers of aggregates
+        once = reads_rows_once(self.model, e.checkpoint)  # (h^1 may stay on the device)
         self._chunkings = Chunkings(graph, assignment, parts)  # the chunk counts tried
         own_rows = int(self._chunkings.chunker.part_sizes[rank]) if world > 1 else graph.num_nodes
         self.resident, self.room, chunks = self._resident(
             graph, assignment, parts,
-            BufferPlan(own_rows, self.model.row_widths(), cached, itemsize), itemsize)
+            BufferPlan(own_rows, self.model.row_widths(), stored, itemsize), itemsize)
         if chunks is None and e.chunks == "auto":
             chunks, _ = choose_chunks(graph, assignment, parts, self.model, self.room, itemsize,
                                       chunkings=self._chunkings, overlap=e.overlap)
@@ -220,7 +221,8 @@ class Trainer:
         plan_rows = row_memory(dplan.buffer_rows, widths,
                                dplan.max_later_load if e.overlap else 0)
         row_elements = grown_row_memory(plan_rows, left, b - a, widths,
-                                        int(dplan.load_ids.shape[0]), world > 1, itemsize)
+                                        int(dplan.load_ids.shape[0]), world > 1, itemsize,
+                                        keep_rows=len(once) > 1 and once[1])
         self.estimate += (row_elements - plan_rows) * itemsize
         if self.room is not None and self.estimate > self.room:
             raise UserError(f"the transfer plan's buffers need about "
@@ -232,7 +234,7 @@ class Trainer:
                                      part=rank if world > 1 else None, sources=neighbours)
         del neighbours  # each block holds its own sources now
         split["blocks_s"] = time.perf_counter() - t
-        plan = BufferPlan(b - a, self.model.row_widths(), cached, itemsize)
+        plan = BufferPlan(b - a, self.model.row_widths(), stored, itemsize)
         self.out(self._plan_text(plan, parts, chunks))
         t = time.perf_counter()
         buffers = HostBuffers(plan, x, pin=self.device.type == "cuda", dtype=dtype,
@@ -259,6 +261,9 @@ class Trainer:
         if ex.whole_layers:
             rows.append("layers moving all their rows per pass (engine.whole_layers): "
                         + ", ".join(map(str, ex.whole_layers)))
+        if ex.kept_on_device:
+            rows.append("kept on the device from pass to pass in training (not moved): "
+                        + ", ".join(ex.kept_on_device))
         if ex.ordered_input_bytes:
             rows.append(f"first layer's inputs kept in load order (engine.ordered_inputs): "
                         f"{format_size(ex.ordered_input_bytes)} of pinned host memory")

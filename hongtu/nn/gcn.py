@@ -37,6 +37,7 @@ class GCN(GNNLayer):
 
     aggr = "gcn"
     needs_dst = False
+    finish_adds_only = True  # the bias
 
     def __init__(self, in_channels: int, out_channels: int, bias: bool = True) -> None:
         super().__init__(in_channels, out_channels)

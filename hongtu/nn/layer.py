@@ -71,6 +71,10 @@ class GNNLayer(nn.Module):
     #: core, a layer's forward pass copies its blocks without the transpose when
     #: the layer does not read it.
     forward_reads_transpose: bool | None = None
+    #: whether :meth:`finish` only adds to its input (a bias), so that its
+    #: gradient does not read the input; counts only where set by the class
+    #: that defines :meth:`finish` (the default, the identity, needs none)
+    finish_adds_only: bool = False
 
     def __init__(self, in_channels: int, out_channels: int) -> None:
         super().__init__()
@@ -127,6 +131,14 @@ class GNNLayer(nn.Module):
     def finish(self, a: Tensor) -> Tensor:
         """Optional: the per-row rest of the update after :meth:`transform` (e.g. the bias)."""
         return a
+
+    @property
+    def finish_reads_input(self) -> bool:
+        """Whether the gradient of :meth:`finish` needs the aggregate it was given
+        (false for the identity and for a class that sets ``finish_adds_only``
+        beside its own :meth:`finish`)."""
+        owner = next(k for k in type(self).__mro__ if "finish" in vars(k))
+        return not (owner is GNNLayer or vars(owner).get("finish_adds_only", False))
 
     @property
     def can_transform_first(self) -> bool:

@@ -80,6 +80,19 @@ class GNN(nn.Module):
         """
         return [bool(layer.cacheable and checkpoint == "auto") for layer in self.layers]
 
+    def stored_aggregates(self, checkpoint: str = "auto") -> list[bool]:
+        """Which cached layers store their aggregate in host memory for backward.
+
+        All but a last layer that transforms first and whose finish only adds
+        (:attr:`GNNLayer.finish_reads_input` false, e.g. GCN's bias): its output
+        is ``finish(a)``, so the aggregate's gradient is the output's and
+        backward needs nothing of ``a``.
+        """
+        last = self.num_layers - 1
+        return [c and not (l == last and self.transforms_first(l)
+                           and not self.layers[l].finish_reads_input)
+                for l, c in enumerate(self.cached_layers(checkpoint))]
+
     def widths(self) -> list[int]:
         """Row width of ``h^0 .. h^L``."""
         return [self.layers[0].in_channels] + [layer.out_width for layer in self.layers]
@@ -153,6 +166,15 @@ class GNN(nn.Module):
             xd = self._drop(x_dst, block.dst_ids(), seed) if x_dst is not None else None
             out = layer.update(a, xd)
         return self._emit(l, self._finish(l, out), block, next_seed)
+
+    def drop_sources(self, l: int, x: Tensor, ids: Tensor, seed: int) -> Tensor:
+        """Layer ``l``'s dropout of source rows ``x`` (global ``ids``) as
+        :meth:`step_aggregate` applies it (none where the layer transforms
+        first: its rows were dropped before the weight). Rows dropped once, as
+        they arrive, may then be aggregated in place (``ops.aggregate_rows``)."""
+        if self.transforms_first(l):
+            return x
+        return self._drop(x, ids, seed)
 
     def step_aggregate_transpose(self, l: int, block: Block, grad_a: Tensor,
                                  seed: int) -> Tensor:

@@ -145,15 +145,16 @@ def aggregate(block: Block, x: Tensor, op: str) -> Tensor:
     return spmm(block, x, edge_weights(block, op, x.dtype))
 
 
-def aggregate_rows(block: Block, rows: Tensor, op: str) -> Tensor:
-    """:func:`aggregate` of the block's sources read from ``rows``, a table of
-    every vertex's row (``x_src = rows[block.src_ids]``), without gathering
-    them into a copy first: the adjacency's column ids are made global.
+def aggregate_rows(block: Block, rows: Tensor, op: str, at: Tensor | None = None) -> Tensor:
+    """:func:`aggregate` of the block's sources read from ``rows``, a table that
+    holds source ``i`` at row ``at[i]`` (default ``block.src_ids``: a table of
+    every vertex's row), without gathering them into a copy first: the
+    adjacency's column ids are made rows of the table.
 
     Forward only (no autograd through ``rows``)."""
     w = edge_weights(block, op, rows.dtype)
-    return _csr_mm(block.indptr, block.src_ids.index_select(0, block.indices), w, rows,
-                   block.num_dst)
+    at = block.src_ids if at is None else at
+    return _csr_mm(block.indptr, at.index_select(0, block.indices), w, rows, block.num_dst)
 
 
 def aggregate_transpose(block: Block, g: Tensor, op: str) -> Tensor:

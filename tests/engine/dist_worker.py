@@ -42,7 +42,7 @@ def run_job(rank, world, comm, case: str, layer: str, chunks: int, checkpoint: s
                            **flags)
     a, b = int(p.part_ptr[rank]), int(p.part_ptr[rank + 1])
     cs = ChunkSet.build(g, p.chunk_ptr, world, chunks, part=rank)
-    cached = model.cached_layers(checkpoint)
+    cached = model.stored_aggregates(checkpoint)
     buf = HostBuffers(BufferPlan(b - a, model.row_widths(), cached), g.x[a:b], pin=False)
     masks = {k: torch.from_numpy(getattr(g, f"{k}_mask")[a:b]) for k in ("train", "val", "test")}
     ex = Executor(model, cs, buf, torch.from_numpy(g.y[a:b]), masks, torch.device("cpu"),

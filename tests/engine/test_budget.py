@@ -15,7 +15,12 @@ from hongtu.engine.budget import (
     row_memory,
     slot_widths,
 )
-from hongtu.engine.executor import layers_moved_whole
+from hongtu.engine.executor import (
+    first_layer_busy,
+    gradients_kept,
+    layers_moved_whole,
+    rows_kept_at,
+)
 from hongtu.errors import UserError
 from hongtu.partition import chunk_partition
 from tests.cases import CASES
@@ -104,6 +109,46 @@ def test_first_layer_moves_whole_without_a_gradient_twin():
     assert grown_row_memory(30, 4 * 100, 10, [4, 8, 2], 10, False) == 30
     assert grown_row_memory(30, None, 10, [4, 8, 2], 11, False) == 30
     assert grown_row_memory(30, 4 * 200, 10, [4, 8, 2], 11, True) == 30
+
+
+def test_gradients_kept_between_passes():
+    # the loss gradient: last layer whole and cached, as narrow as its rows;
+    # ∇h^1: layer 1 whole and layer 0 cached (its backward uses no row memory)
+    assert gradients_kept([True, True], [True, True], [4, 8, 2]) == [False, True, True]
+    assert gradients_kept([True, True], [False, True], [4, 8, 2]) == [False, False, True]
+    assert gradients_kept([True, True], [True, False], [4, 8, 2]) == [False, True, False]
+    assert gradients_kept([True, False], [True, True], [4, 8, 2]) == [False] * 3
+    assert gradients_kept([True, True], [True, True], [4, 2, 8]) == [False, True, False]
+    assert gradients_kept([True, True], [True, True], [4, 2, 2]) == [False, True, True]
+    # one layer: its whole rows have no gradient room; three: ∇h^1 and ∇h^3
+    assert gradients_kept([True], [True], [4, 2]) == [False, False]
+    assert gradients_kept([False, True, True], [True] * 3, [4, 8, 8, 2]) == \
+        [False, True, False, True]
+
+
+def test_rows_kept_beside_the_first_layer():
+    # transition buffer 3 rows x 4 at the start; twins 2 x 3 x 8; staging 5 x 8 after
+    assert first_layer_busy(10, [4, 8, 2], 3, 5, False) == [(0, 12), (48, 88)]
+    assert first_layer_busy(10, [4, 8, 2], 3, 0, False) == [(0, 12)]
+    assert first_layer_busy(10, [4, 8, 2], 0, 0, False) == [(0, 4)]
+    assert first_layer_busy(10, [4, 8, 2], 3, 5, True) == [(0, 40)]
+    # h^1 is 10 x 2 = 20 elements; its gradients need 20 more, apart from them
+    w, both, once = [4, 2, 3], [True, True], [True, True]
+    assert rows_kept_at(10, w, 40, both, once, [(0, 12), (30, 40)]) is None
+    assert rows_kept_at(10, w, 60, both, once, [(0, 12), (30, 40)]) == 40  # gradients at 0
+    assert rows_kept_at(10, w, 59, both, once, [(0, 12), (30, 40)]) is None
+    assert rows_kept_at(10, w, 48, both, once, [(0, 8)]) == 8  # gradients right after
+    assert rows_kept_at(10, w, 47, both, once, [(0, 8)]) == 20  # ... else before them
+    assert rows_kept_at(10, w, 39, both, once, [(0, 8)]) is None
+    assert rows_kept_at(10, w, 60, [True, False], once, [(0, 8)]) is None
+    assert rows_kept_at(10, w, 60, both, [True, False], [(0, 8)]) is None
+    assert rows_kept_at(10, [4, 2], 60, [True], [True], [(0, 8)]) is None
+    # the budget grows the memory for it: h^1 after the plan's memory
+    assert grown_row_memory(30, 4 * 20, 10, w, 11, False) == 40
+    assert grown_row_memory(30, 4 * 20, 10, w, 11, False, keep_rows=True) == 50
+    assert grown_row_memory(30, 4 * 19, 10, w, 11, False, keep_rows=True) == 40
+    assert grown_row_memory(30, 4 * 20, 10, w, 10, False, keep_rows=True) == 50
+    assert grown_row_memory(30, 4 * 20, 10, w, 9, False, keep_rows=True) == 30
 
 
 def test_no_chunk_count_fits_is_a_clear_error():

@@ -58,7 +58,7 @@ def chunked_step(model: GNN, graph, parts: int, chunks: int, checkpoint: str, ep
     p = chunk_partition(graph, assignment, chunks, num_parts=parts)
     g = p.apply(graph)
     cs = ChunkSet.build(g, p.chunk_ptr, parts, chunks)
-    cached = model.cached_layers(checkpoint)
+    cached = model.stored_aggregates(checkpoint)  # (host buffers as the Trainer makes them)
     dev = torch.device(device)
     buf = HostBuffers(BufferPlan(g.num_nodes, model.row_widths(), cached), g.x,
                       pin=dev.type == "cuda", device=dev if resident else None)
@@ -166,6 +166,57 @@ def test_transform_first_equals_plain_training(transform_first, parts, chunks, w
     assert narrow.mover.traffic.h2d_bytes < wide.mover.traffic.h2d_bytes
 
 
+@pytest.mark.parametrize("layer", ["gcn", "sage", "gin"])
+@pytest.mark.parametrize("parts,chunks,cache_rows,ordered", [
+    (1, 5, 0, False), (2, 3, 0, False), (1, 5, 12, False), (1, 5, 0, True)])
+def test_first_layer_aggregates_its_buffer_in_place(layer, parts, chunks, cache_rows, ordered):
+    """A cached first layer drops its rows out once as they arrive and aggregates
+    them where they lie in the transition buffer: the same step (with kept rows,
+    inputs in load order, several parts), and evaluation the same logits."""
+    graph = CASES["halo_heavy"](seed=8)
+    model = make_model(layer)
+    res, g, ex = chunked_step(model, graph, parts, chunks, "auto", cache_rows=cache_rows,
+                              ordered=ordered)
+    assert ex._first_in_slots and not ex._whole[0]
+    ref_loss, ref_grads = reference_step(model, g)
+    assert_matches(model, res.loss, ref_loss, ref_grads)
+    _, _, plain = chunked_step(model, graph, parts, chunks, "recompute")
+    assert not plain._first_in_slots  # (backward reads the rows again)
+    ex.evaluate(0)
+    plain.evaluate(0)
+    torch.testing.assert_close(ex.buf.h[-1], plain.buf.h[-1], rtol=1e-5, atol=1e-6)
+
+
+class ReadingFinish(resolve_layer("gcn")):
+    """GCN with the same finish redefined and no ``finish_adds_only``: the engine
+    must assume the finish reads the aggregate."""
+
+    def finish(self, a):
+        return a if self.bias is None else a + self.bias
+
+
+@pytest.mark.parametrize("parts,chunks,whole", [(1, 4, False), (2, 3, False), (1, 6, True)])
+def test_last_layer_that_only_adds_stores_no_aggregate(parts, chunks, whole):
+    """GCN's last layer transforms first and finishes with its bias: backward
+    gets the aggregate's gradient from the output's, so forward stores no
+    aggregate and backward loads none; the step is the same as for a layer
+    whose finish may read it."""
+    graph = CASES["skewed"](seed=3)
+    model = make_model("gcn")
+    res, g, ex = chunked_step(model, graph, parts, chunks, "auto", whole=whole)
+    assert ex.stored == [True, False] and ex.buf.agg[1] is None
+    ref_loss, ref_grads = reference_step(model, g)
+    assert_matches(model, res.loss, ref_loss, ref_grads)
+    other = make_model("gcn")
+    other.layers[1].__class__ = ReadingFinish
+    res2, _, ex2 = chunked_step(other, graph, parts, chunks, "auto", whole=whole)
+    assert ex2.stored == [True, True]
+    assert_matches(other, res2.loss, ref_loss, ref_grads)
+    n, row = g.num_nodes, NUM_CLASSES * 4
+    t, t2 = ex.mover.traffic, ex2.mover.traffic
+    assert (t2.h2d_bytes - t.h2d_bytes, t2.d2h_bytes - t.d2h_bytes) == (n * row, n * row)
+
+
 DEDUP = [dict(reuse=r, p2p=p, reorg=o) for r in (False, True) for p in (False, True)
          for o in (False, True)]
 
@@ -215,23 +266,32 @@ def test_counted_rows_equal_the_plan(flags, checkpoint):
 def test_whole_layers_move_all_rows_once(layer, checkpoint):
     """A layer whose rows fit the transition buffer's memory moves all of them in
     one copy (and its gradients back in one) instead of the plan's neighbour
-    rows and flushes: the same step, the counted rows follow."""
+    rows and flushes: the same step, the counted rows follow. Where both layers
+    are cached, ∇h^2 (the loss gradient) and ∇h^1 stay on the device between
+    passes: neither is stored nor loaded; so does h^1 where the second layer
+    reads no rows of its own (GCN)."""
     graph = CASES["skewed"](seed=5)
     model = make_model(layer)
     res, g, ex = chunked_step(model, graph, 1, 6, checkpoint, whole=True)
     assert ex._whole == [True, True]  # (a small graph: its rows fit)
+    cached = checkpoint == "auto" and layer != "gat"
+    assert ex._kept == [False, cached, cached]
+    kept_rows = cached and layer == "gcn"
+    assert ex.rows_kept == kept_rows
     ref_loss, ref_grads = reference_step(model, g)
     assert_matches(model, res.loss, ref_loss, ref_grads)
     _, _, plain = chunked_step(make_model(layer), graph, 1, 6, checkpoint)
-    assert plain._whole == [False, False]
+    assert plain._whole == [False, False] and not any(plain._kept)
     n, L, rows = g.num_nodes, model.num_layers, plain.transfer_plan.h2d_rows
     assert rows > n  # (the plan would move more)
-    passes = L + (0 if checkpoint == "auto" and layer != "gat" else L)
+    passes = L + (0 if cached else L)
     t, p = ex.mover.traffic, plain.mover.traffic
-    assert p.h2d_rows - t.h2d_rows == passes * (rows - n)
-    # ∇h^1: one whole write instead of the flushes and the own-row adds
+    assert p.h2d_rows - t.h2d_rows == passes * (rows - n) + 2 * n * cached + n * kept_rows
+    # ∇h^1: one whole write (none when kept) instead of the flushes and the
+    # own-row adds; ∇h^2 not stored when kept
     own = n if model.layers[1].needs_dst else 0
-    assert p.d2h_rows - t.d2h_rows == plain.transfer_plan.d2h_rows + own - n
+    assert p.d2h_rows - t.d2h_rows == (plain.transfer_plan.d2h_rows + own - n + 2 * n * cached
+                                       + n * kept_rows)
 
 
 @pytest.mark.parametrize("layer", LAYERS[1:])
@@ -369,6 +429,7 @@ def test_resident_arithmetic_on_cpu(layer, chunks, monkeypatch):
         orig(self, *a, **kw)
         self._direct = self.resident = True
         self._whole = [False] * len(self._whole)  # (as a resident executor has it)
+        self._first_in_slots = False
 
     monkeypatch.setattr(Executor, "__init__", resident_init)
     graph = CASES["skewed"](seed=6)

@@ -31,11 +31,15 @@ def test_setup_names_the_layers_moved_whole(tmp_path):
                  out=lines.append)
     assert tr.executor.whole_layers  # (a small graph: its rows fit)
     named = ", ".join(map(str, tr.executor.whole_layers))
-    assert f"layers moving all their rows per pass (engine.whole_layers): {named}" in lines
+    said = "\n".join(lines).splitlines()
+    assert f"layers moving all their rows per pass (engine.whole_layers): {named}" in said
+    kept = "kept on the device from pass to pass in training (not moved): "
+    assert kept + ", ".join(tr.executor.kept_on_device) in said
+    assert "grad h^2" in tr.executor.kept_on_device  # (GCN: the last layer is cached)
     assert tr.executor.ordered_input_bytes == 0  # (CPU: no ordered copy)
     lines.clear()
     off = Trainer(load_config(REPO / "configs" / "gcn_example.yaml",
                               [*base, "engine.whole_layers=false"]), overwrite=True,
                   out=lines.append)
     assert off.executor.whole_layers == []
-    assert not any("all their rows" in x for x in lines)
+    assert not any("all their rows" in x or kept in x for x in lines)

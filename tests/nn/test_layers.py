@@ -363,6 +363,39 @@ def test_which_layers_transform_first():
     assert GCN(16, 4).can_transform_first
 
 
+class ScaledFinish(GCN):
+    """GCN whose finish reads its input (a custom per-row step)."""
+
+    def finish(self, a):
+        return super().finish(2.0 * a)
+
+
+class BiasOnly(ScaledFinish):
+    """Declares an adding finish of its own: counts again."""
+
+    finish_adds_only = True
+
+    def finish(self, a):
+        return a + self.bias
+
+
+def test_stored_aggregates_skip_a_last_layer_that_only_adds():
+    """A last layer that transforms first and finishes with a bias needs no
+    aggregate in backward; every other cached layer stores its aggregate."""
+    assert three_gcn(True).stored_aggregates() == [True, True, False]
+    assert three_gcn(False).stored_aggregates() == [True, True, True]
+    assert three_gcn(True).stored_aggregates("recompute") == [False, False, False]
+    assert not GCN(8, 3).finish_reads_input
+    # the promise only counts from the class that defines finish
+    assert ScaledFinish(8, 3).finish_reads_input and not BiasOnly(8, 3).finish_reads_input
+    for last, stored in ((ScaledFinish(8, 3), True), (BiasOnly(8, 3), False)):
+        m = GNN([GCN(F_IN, 8), last], transform_first=True)
+        assert m.transforms_first(1) and m.stored_aggregates() == [True, stored]
+    # SAGE reads its own rows: it never transforms first, its aggregate is kept
+    assert GNN([GCN(F_IN, 16), SAGE(16, 4)], transform_first=True).stored_aggregates() \
+        == [True, True]
+
+
 @pytest.mark.parametrize("l", [0, 1, 2])
 def test_transform_first_steps_agree(l):
     """Each step keeps z^{l+1} = W drop(h^{l+1}) where the next layer transforms

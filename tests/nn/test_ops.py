@@ -185,6 +185,12 @@ def test_aggregate_rows_reads_the_sources_in_place(block, op):
     rows = torch.randn(N, 3, dtype=torch.float64)
     expect = ops.aggregate(block, rows[block.src_ids], op)
     torch.testing.assert_close(ops.aggregate_rows(block, rows, op), expect, rtol=0, atol=1e-12)
+    # a table holding source i at row at[i] (a transition buffer's slots)
+    at = torch.randperm(block.num_src + 5)[:block.num_src]
+    table = torch.randn(block.num_src + 5, 3, dtype=torch.float64)
+    expect = ops.aggregate(block, table[at], op)
+    torch.testing.assert_close(ops.aggregate_rows(block, table, op, at), expect, rtol=0,
+                               atol=1e-12)
 
 
 def test_mean_of_isolated_destination_is_zero():
