@@ -343,7 +343,8 @@ class Trainer:
     def _plan_text(self, plan: BufferPlan, parts: int, chunks: int) -> str:
         budget = "none" if self.budget is None else format_size(self.budget)
         m = self.model
-        layers = describe_layers([repr(x) for x in m.layers], plan.cached,
+        layers = describe_layers([repr(x) for x in m.layers],
+                                 m.cached_layers(self.cfg.engine.checkpoint),
                                  [m.transforms_first(l) for l in range(m.num_layers)])
         tp = self.transfer_plan
         n = max(tp.num_nodes, 1)
