@@ -17,6 +17,13 @@ deduplicated transfer plan (:class:`hongtu.dedup.DevicePlan`):
   the device while the rows stay resident, and flush rows that leave into the
   host ``∇h^l``.
 
+Where a layer's rows fit the device row memory whole, its passes move them in
+one copy each way, and a training step hands what the next pass reads on the
+device instead of through host memory: the loss gradient, ``∇h^1`` and
+``h^1`` (:func:`gradients_kept`, :func:`rows_kept_at`). A last layer that
+only adds a bias after a weight-first aggregation stores no aggregate
+(:meth:`~hongtu.nn.model.GNN.stored_aggregates`).
+
 Parameter gradients accumulate over chunks, so after :meth:`Executor.step`
 they are exactly the full-graph gradients; the caller takes the optimizer step.
 """
