@@ -118,6 +118,8 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
         layers.append({
             "layer": l, "width": widths[l], "row_bytes": row, "cached": cached[l],
             "whole": all_rows,
+            # forward, backward reload, gradient flush (none for ∇h^0 or a kept ∇h^l)
+            "passes": 1 + (not cached[l]) + (l > 0 and not kept[l]),
             "forward_bytes": 0 if kept_rows and l == 1 else loads,
             "backward_reload_bytes": 0 if cached[l] else loads,
             "flush_bytes": 0 if l == 0 or kept[l] else (n if all_rows else d2h_rows) * row,
@@ -240,8 +242,9 @@ def _alternatives(n: int, smallest: int, chosen_list: list[int] | None) -> list[
     return sorted(out)
 
 
-def _costs(plan: TransferPlan, traffic: dict, tp: dict, passes: list[int]) -> dict:
-    """C (Eq. 4) of each layer pass and of an epoch, on the volumes the plan executes."""
+def _costs(plan: TransferPlan, traffic: dict, tp: dict) -> dict:
+    """C (Eq. 4) of each layer pass and of an epoch, on the volumes the plan executes
+    (a layer's passes: forward, backward reload, gradient flush, as ``traffic`` has them)."""
     from hongtu.dedup import Volumes
 
     v_p2p = plan.v_p2p if plan.p2p or plan.num_parts == 1 else plan.v_ori
@@ -250,6 +253,7 @@ def _costs(plan: TransferPlan, traffic: dict, tp: dict, passes: list[int]) -> di
     per_layer = [x["forward_bytes"] / tp["contiguous"] if x["whole"] else
                  cost(eff, tp["host_to_device"], tp["device_to_device"], tp["reuse"],
                       row_bytes=x["row_bytes"]) for x in traffic["layers"]]
+    passes = [x["passes"] for x in traffic["layers"]]
     c_epoch = sum(c * p for c, p in zip(per_layer, passes))
     contiguous_s = traffic["epoch"]["contiguous_bytes"] / tp["contiguous"]
     return {"per_layer_pass_s": per_layer, "passes": passes, "epoch_s": c_epoch,
@@ -324,7 +328,6 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     stored = model.stored_aggregates(e.checkpoint)
     once = reads_rows_once(model, e.checkpoint)
     needs_dst = [bool(layer.needs_dst) for layer in model.layers]
-    passes = [1 + (not cached[l]) + (l > 0) for l in range(len(cached))]
     tp = resolve_throughput(e)
 
     t0 = time.perf_counter()
@@ -365,7 +368,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
                        "v_ru_norm": s.plan.v_ru / max(graph.num_nodes, 1), "order": s.order_name,
                        "neighbour_bytes": tr["epoch"]["neighbour_bytes"],
                        "h2d_bytes": tr["epoch"]["h2d_bytes"],
-                       "lower_bound_s": _costs(s.plan, tr, tp, passes)["lower_bound_s"]})
+                       "lower_bound_s": _costs(s.plan, tr, tp)["lower_bound_s"]})
     t["alternatives_s"] = time.perf_counter() - t0
     fitting = [r["chunks"] for r in memory if r["fits"]]
     cands, traffic = main.candidates, traffic_of(main)
@@ -385,7 +388,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
                     "with_reorg": min(cands, key=lambda k: cands[k]["cost_s"]),
                     "plan": {k: int(v) for k, v in main.plan.volumes().items()
                              if not k.endswith("_bytes")}},
-        "transfers": traffic, "cost": _costs(main.plan, traffic, tp, passes),
+        "transfers": traffic, "cost": _costs(main.plan, traffic, tp),
         "memory": {"budget": budget, "chunks": n, "rows": memory,
                    "suggested_chunks": min(fitting) if fitting else None},
         "notes": notes, "timings": t,

@@ -136,11 +136,15 @@ def test_alpha_skips_part_counts_above_half_the_vertices(tmp_path):
 def test_predicted_bytes_equal_what_the_engine_moves(tmp_path, extra):
 
     cfg = load_config(CONFIG, base(tmp_path, f"output.dir={tmp_path / 'run'}", *extra))
-    epoch = build_report(cfg, parts_list=[], chunks_list=[]).data["transfers"]["epoch"]
+    transfers = build_report(cfg, parts_list=[], chunks_list=[]).data["transfers"]
+    epoch = transfers["epoch"]
     trainer = Trainer(cfg, out=lambda _: None)
     if "engine.parts=1" in extra:  # every layer whole; gradients kept on the device
         ex = trainer.executor
         assert all(ex._whole) and ex._kept[1] and ex._kept[-1]
+        # a pass counts for forward and for each gradient flush that happens
+        assert [x["passes"] for x in transfers["layers"]] == [1] + [
+            1 + (not ex._kept[l]) for l in range(1, len(ex._whole))]
     step = trainer.run_epoch(0, evaluate=False)
     assert (step["h2d_bytes"], step["d2h_bytes"]) == (epoch["h2d_bytes"], epoch["d2h_bytes"])
     both = trainer.run_epoch(1, evaluate=True)
