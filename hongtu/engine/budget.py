@@ -115,9 +115,10 @@ def grown_row_memory(memory: int, spare_bytes: int | None, num_rows: int, widths
     """The row memory to allocate (elements): the plan's ``memory``, grown by at
     most ``spare_bytes`` when that lets more layers move whole
     (:func:`whole_layer_needs`): to the largest need that fits. With
-    ``keep_rows`` (the second layer is cached), room for ``h^1`` after the
-    first layer's plan memory also counts: the first layer's pass leaves its
-    rows on the device (:func:`~hongtu.engine.executor.rows_kept_at`). No
+    ``keep_rows`` (the second layer reads its rows in its forward aggregation
+    only, :func:`~hongtu.engine.executor.reads_rows_once`), room for ``h^1``
+    after the first layer's plan memory also counts: the first layer's pass
+    leaves those rows on the device (:func:`~hongtu.engine.executor.rows_kept_at`). No
     budget (``None``) or nothing to gain: the plan's."""
     if not spare_bytes or spare_bytes <= 0:
         return int(memory)
