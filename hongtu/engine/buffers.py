@@ -44,12 +44,21 @@ class BufferPlan:
         cached: ``cached[l]`` is true when layer ``l``'s aggregate is cached
             (its width is ``widths[l]``: built-in aggregations keep the width).
         itemsize: bytes per element.
+        grads: ``grads[l]`` (``l = 0 .. L``) is false where ``∇h^l`` needs no
+            host buffer (it stays on the device between passes,
+            :func:`~hongtu.engine.executor.gradients_kept`); default every
+            ``l >= 1`` has one.
     """
 
     num_nodes: int
     widths: list[int]
     cached: list[bool]
     itemsize: int = 4
+    grads: list[bool] | None = None
+
+    def has_grad(self, l: int) -> bool:
+        """Whether ``∇h^l`` has a host buffer."""
+        return l > 0 and (self.grads is None or bool(self.grads[l]))
 
     def entries(self) -> list[tuple[str, int]]:
         """``(name, bytes)`` of every buffer that is allocated (h^0 is the input)."""
@@ -58,7 +67,8 @@ class BufferPlan:
         L = len(self.widths) - 1
         for l in range(1, L + 1):
             out.append((f"h^{l}", n * self.widths[l] * s))
-            out.append((f"grad h^{l}", n * self.widths[l] * s))
+            if self.has_grad(l):
+                out.append((f"grad h^{l}", n * self.widths[l] * s))
         for l in range(L):
             if self.cached[l]:
                 out.append((f"a^{l}", n * self.widths[l] * s))
@@ -97,7 +107,8 @@ class HostBuffers:
 
     Attributes:
         h: ``h[l]`` for ``l = 0..L`` (``h[0]`` wraps the input features).
-        grad: ``grad[l]`` for ``l = 1..L`` (``grad[0]`` is ``None``: inputs need no grad).
+        grad: ``grad[l]`` for ``l = 1..L`` (``grad[0]`` is ``None``: inputs need no
+            grad; so is one the plan keeps on the device, :meth:`BufferPlan.has_grad`).
         agg: ``agg[l]`` for cached layers, else ``None``.
 
     ``rows`` renumbers the input: vertex ``k``'s features are ``x[rows[k]]``,
@@ -144,7 +155,8 @@ class HostBuffers:
             x0 = x if isinstance(x, Tensor) else torch.from_numpy(np.asarray(x))
             x0 = x0.to(dtype)
         self.h: list[Tensor] = [x0] + [slab(plan.widths[l]) for l in range(1, L + 1)]
-        self.grad: list[Tensor | None] = [None] + [slab(plan.widths[l]) for l in range(1, L + 1)]
+        self.grad: list[Tensor | None] = [slab(plan.widths[l]) if plan.has_grad(l) else None
+                                          for l in range(L + 1)]
         self.agg: list[Tensor | None] = [slab(plan.widths[l]) if plan.cached[l] else None
                                          for l in range(L)]
         self.plan = plan

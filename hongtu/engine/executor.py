@@ -373,6 +373,11 @@ class Executor:
         # a whole layer's row memory its sources' gradients add up in (the rows'
         # half when the other holds ∇h^L).
         self._kept = gradients_kept(self._whole, self.cached, widths)
+        lacking = [l for l in range(1, len(widths))
+                   if buffers.grad[l] is None and not self._kept[l]]
+        if lacking:
+            raise ValueError(f"host buffers lack grad h^{lacking[0]}, which this executor "
+                             "moves through host memory (BufferPlan.grads)")
         self._ghalf = [1] * len(self._whole)
         if self._kept[-1]:
             self._ghalf[-1] = 0

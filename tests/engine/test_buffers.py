@@ -32,3 +32,12 @@ def test_host_buffers_gather_renumbered_input_rows(tmp_path, monkeypatch, source
     # Without rows the input is used as it is.
     plain = B.HostBuffers(B.BufferPlan(1000, [6, 4], [False, False]), x, pin=False)
     assert torch.equal(plain.h[0], torch.from_numpy(np.asarray(x, dtype=np.float32)))
+
+
+def test_gradients_kept_on_the_device_get_no_host_buffer():
+    plan = B.BufferPlan(10, [6, 4, 3], [True, False], grads=[False, True, False])
+    assert [name for name, _ in plan.entries()] == ["h^1", "grad h^1", "h^2", "a^0"]
+    full = B.BufferPlan(10, [6, 4, 3], [True, False])
+    assert full.total_bytes() - plan.total_bytes() == 10 * 3 * 4
+    buf = B.HostBuffers(plan, np.zeros((10, 6), np.float32), pin=False)
+    assert buf.grad[0] is None and buf.grad[1].shape == (10, 4) and buf.grad[2] is None

@@ -187,6 +187,27 @@ def test_first_layer_aggregates_its_buffer_in_place(layer, parts, chunks, cache_
     torch.testing.assert_close(ex.buf.h[-1], plain.buf.h[-1], rtol=1e-5, atol=1e-6)
 
 
+def test_executor_refuses_buffers_without_a_gradient_it_moves():
+    """A host gradient buffer may be left out only where the executor keeps
+    that gradient on the device (the Trainer leaves out no more)."""
+    graph = CASES["skewed"](seed=5)
+    model = make_model("gcn")
+    p = chunk_partition(graph, np.arange(graph.num_nodes) % 1, 6, num_parts=1)
+    g = p.apply(graph)
+    cs = ChunkSet.build(g, p.chunk_ptr, 1, 6)
+    _, plan = plan_batches(g.indptr, g.indices, p.chunk_ptr, 1, 6)
+    widths = model.row_widths()
+    no_grads = BufferPlan(g.num_nodes, widths, model.stored_aggregates(), grads=[False] * 3)
+
+    def make(whole: bool) -> Executor:
+        return Executor(model, cs, HostBuffers(no_grads, g.x, pin=False), torch.from_numpy(g.y),
+                        masks_of(g), torch.device("cpu"), plan.plans[0], whole_layers=whole)
+
+    assert make(True)._kept == [False, True, True]  # (every layer whole: both stay there)
+    with pytest.raises(ValueError, match="lack grad h"):
+        make(False)
+
+
 class ReadingFinish(resolve_layer("gcn")):
     """GCN with the same finish redefined and no ``finish_adds_only``: the engine
     must assume the finish reads the aggregate."""

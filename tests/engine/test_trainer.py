@@ -36,6 +36,12 @@ def test_setup_names_the_layers_moved_whole(tmp_path):
     kept = "kept on the device from pass to pass in training (not moved): "
     assert kept + ", ".join(tr.executor.kept_on_device) in said
     assert "grad h^2" in tr.executor.kept_on_device  # (GCN: the last layer is cached)
+    # ... and gradients kept there get no host buffer
+    for name in ("grad h^1", "grad h^2"):
+        assert (name in tr.executor.kept_on_device) == (not any(
+            x.strip().startswith(name + " ") for x in said))
+    assert tr.executor.buf.grad[2] is None
+    tr.run_epoch(0, evaluate=True)  # (a step and an evaluation without them)
     assert tr.executor.ordered_input_bytes == 0  # (CPU: no ordered copy)
     lines.clear()
     off = Trainer(load_config(REPO / "configs" / "gcn_example.yaml",
