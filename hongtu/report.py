@@ -91,21 +91,18 @@ def _replication(graph: Graph, method: str, seed: int, cache_dir: str,
 
 
 def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h2d_rows: int,
-             d2h_rows: int, whole: list[bool], rows_kept: bool = False) -> dict:
+             d2h_rows: int, hand) -> dict:
     """Bytes of one training step (forward, loss, backward) as the executor moves them.
 
     ``cached[l]``: layer ``l``'s backward reads no rows, ``stored[l]``: its
-    aggregate goes to host memory and back. ``whole[l]``: its passes move all
-    its rows (and gradients) at once instead of the plan's rows
-    (:func:`~hongtu.engine.executor.layers_moved_whole`); gradients that stay
-    on the device between passes (:func:`~hongtu.engine.executor.gradients_kept`)
-    move not at all, nor does ``h^1`` in training with ``rows_kept``
-    (:func:`~hongtu.engine.executor.rows_kept_at`).
+    aggregate goes to host memory and back. ``hand``
+    (:class:`~hongtu.engine.executor.Handoffs`): ``whole[l]``, its passes move all
+    its rows (and gradients) at once instead of the plan's rows; gradients that
+    stay on the device between passes move not at all, nor does ``h^1`` in
+    training where it stays.
     """
-    from hongtu.engine.executor import gradients_kept
-
     n = num_nodes
-    kept = gradients_kept(whole, cached, widths)
+    whole, kept, rows_kept = hand.whole, hand.kept, hand.rows_at is not None
     layers = []
     for l in range(len(widths) - 1):
         row, out = widths[l] * itemsize, widths[l + 1] * itemsize
@@ -298,12 +295,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         parts_list: part counts of the α table (default :data:`PARTS_LIST`).
         chunks_list: chunk counts to compare (default ``n`` and its neighbours).
     """
-    from hongtu.engine.executor import (
-        first_layer_busy,
-        layers_moved_whole,
-        reads_rows_once,
-        rows_kept_at,
-    )
+    from hongtu.engine.executor import plan_handoffs, reads_rows_once
     from hongtu.engine.trainer import load_data
     from hongtu.nn.model import build_model
 
@@ -347,14 +339,11 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
 
     def traffic_of(s: _Setting) -> dict:
         plan, first, n = s.plan, s.plan.plans[0], graph.num_nodes
-        whole = layers_moved_whole(n, widths, s.row_elements, int(first.load_ids.shape[0]),
-                                   e.devices > 1) \
-            if e.whole_layers else [False] * len(cached)
-        busy = first_layer_busy(n, widths, first.buffer_rows,
-                                first.max_later_load if e.overlap else 0, whole[0])
-        kept = rows_kept_at(n, widths, s.row_elements, whole, once, busy) is not None
+        hand = plan_handoffs(n, widths, s.row_elements, first,
+                             first.max_later_load if e.overlap else 0, e.devices > 1, cached,
+                             once, enabled=e.whole_layers)
         return _traffic(widths, cached, stored, needs_dst, itemsize, n, plan.h2d_rows,
-                        plan.d2h_rows, whole, kept)
+                        plan.d2h_rows, hand)
 
     t0 = time.perf_counter()
     memory = []

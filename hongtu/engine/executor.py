@@ -172,6 +172,33 @@ def rows_kept_at(num_rows: int, widths: list[int], memory: int, whole: list[bool
     return None
 
 
+@dataclass(frozen=True)
+class Handoffs:
+    """What a step keeps in the device row memory beyond the plan's rows."""
+
+    #: ``whole[l]``: layer ``l`` moves all its rows per pass (:func:`layers_moved_whole`)
+    whole: list[bool]
+    #: ``kept[l]``: ``∇h^l`` stays on the device between passes (:func:`gradients_kept`)
+    kept: list[bool]
+    #: where ``h^1`` stays between the first two forward passes, or ``None``
+    #: (:func:`rows_kept_at`)
+    rows_at: int | None
+
+
+def plan_handoffs(num_rows: int, widths: list[int], memory: int, plan: DevicePlan,
+                  stage_rows: int, exchange: bool, cached: list[bool], read_once: list[bool],
+                  enabled: bool = True) -> Handoffs:
+    """The :class:`Handoffs` of a row memory of ``memory`` elements with ``plan``'s
+    transition buffer and ``stage_rows`` staging rows (the executor's, the
+    Trainer's host buffers and ``hongtu report`` all take them from here);
+    ``enabled`` false (no whole layers): none."""
+    whole = layers_moved_whole(num_rows, widths, memory, int(plan.load_ids.shape[0]),
+                               exchange) if enabled else [False] * (len(widths) - 1)
+    busy = first_layer_busy(num_rows, widths, plan.buffer_rows, stage_rows, whole[0])
+    return Handoffs(whole, gradients_kept(whole, cached, widths),
+                    rows_kept_at(num_rows, widths, memory, whole, read_once, busy))
+
+
 #: the ordered copy of the inputs may take at most this share of the available host memory
 _HOST_SHARE = 0.8
 
@@ -338,9 +365,11 @@ class Executor:
                            stage_rows=0 if self.resident else plan.buffer_rows,
                            load_rows=stage, overlap=overlap, stage=self._rowmem[twins:])
         ordered = ordered_inputs and not self.resident and (overlap or device.type == "cpu")
-        self._whole = layers_moved_whole(buffers.h[0].shape[0], widths, self._rowmem.numel(),
-                                         int(plan.load_ids.shape[0]), comm is not None) \
-            if whole_layers and not self._direct else [False] * (len(widths) - 1)
+        n = buffers.h[0].shape[0]
+        hand = plan_handoffs(n, widths, self._rowmem.numel(), plan, stage, comm is not None,
+                             self.cached, reads_rows_once(model, checkpoint),
+                             enabled=whole_layers and not self._direct)
+        self._whole = hand.whole
         # h^0's rows in load order: step s's loads are rows load_ptr[s]:load_ptr[s+1]
         # (not when host memory would not hold the copy: the rows are gathered then).
         self._ordered, self._first_in_place = None, False
@@ -372,7 +401,7 @@ class Executor:
         # Gradients handed from pass to pass in the row memory, and the half of
         # a whole layer's row memory its sources' gradients add up in (the rows'
         # half when the other holds ∇h^L).
-        self._kept = gradients_kept(self._whole, self.cached, widths)
+        self._kept = hand.kept
         lacking = [l for l in range(1, len(widths))
                    if buffers.grad[l] is None and not self._kept[l]]
         if lacking:
@@ -383,11 +412,8 @@ class Executor:
             self._ghalf[-1] = 0
         # Where whole layers keep their rows and gradients (element offsets);
         # h^1 may stay from the first layer's forward pass to the second's.
-        n = buffers.h[0].shape[0]
         self._at = [(0, n * w) for w in widths[:-1]]
-        at = rows_kept_at(n, widths, self._rowmem.numel(), self._whole,
-                          reads_rows_once(model, checkpoint),
-                          first_layer_busy(n, widths, plan.buffer_rows, stage, self._whole[0]))
+        at = hand.rows_at
         self.rows_kept = at is not None
         if self.rows_kept:
             size = n * widths[1]
@@ -449,8 +475,8 @@ class Executor:
         return self._rowmem[at:at + n * w].view(n, w)
 
     def _grad_rows(self, l: int) -> Tensor:
-        """Where ``∇h^l`` is kept on the device (:func:`gradients_kept`): ``∇h^L``
-        in the last layer's gradient room, else where layer ``l`` added it up."""
+        """Where a whole layer ``l`` adds ``∇h^l`` up (and, :func:`gradients_kept`,
+        keeps it); ``∇h^L``: in the last layer's gradient room."""
         if l < len(self._whole):
             return self._whole_rows(l, self._ghalf[l])
         n, at = self.buf.h[0].shape[0], self._at[l - 1][1]
@@ -468,7 +494,7 @@ class Executor:
     def _add_sources(self, l: int, q: int, block: Block, gbuf: Tensor, g: Tensor) -> None:
         """``∇h^l[N_c] += g``: at the rows' slots, or (resident) into ``∇h^l`` itself."""
         if self._whole[l]:
-            add_rows(self._whole_rows(l, self._ghalf[l]), block.src_ids, g)
+            add_rows(self._grad_rows(l), block.src_ids, g)
         elif not self._direct:
             add_rows(gbuf, self.plan.slots(q), g)
         elif block.num_src == g.shape[0] == self.buf.grad[l].shape[0]:
@@ -683,7 +709,7 @@ class Executor:
             if write:
                 buf.grad[l][torch.from_numpy(plan.unwritten)] = 0
             elif need_in and whole:
-                self._whole_rows(l, self._ghalf[l]).zero_()
+                self._grad_rows(l).zero_()
             elif need_in:
                 buf.grad[l].zero_()
 
@@ -728,7 +754,7 @@ class Executor:
 
             self._run_pass(fetch, run)
             if need_in and self._whole[l] and not self._kept[l]:
-                mv.store_range(buf.grad[l], 0, self._whole_rows(l, self._ghalf[l]))
+                mv.store_range(buf.grad[l], 0, self._grad_rows(l))
                 mv.join()  # the next pass reuses that memory
             mv.drain()  # ∇h^l complete in host memory before layer l-1 reads it
         if self.comm is not None:
@@ -762,7 +788,7 @@ class Executor:
                 self._add_sources(l, q, block, gbuf, g_src)
         if need_in and x_dst is not None and x_dst.grad is not None:
             if self._whole[l]:
-                self._whole_rows(l, self._ghalf[l])[v0:v0 + x_dst.shape[0]].add_(x_dst.grad)
+                self._grad_rows(l)[v0:v0 + x_dst.shape[0]].add_(x_dst.grad)
             else:
                 mv.add_range(buf.grad[l], v0, x_dst.grad)
 

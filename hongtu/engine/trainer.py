@@ -41,12 +41,7 @@ from hongtu.engine.buffers import BufferPlan, HostBuffers
 from hongtu.engine.checkpoint import CHECKPOINT, atomic_torch_save, load_checkpoint, save_checkpoint
 from hongtu.engine.chunks import ChunkSet
 from hongtu.engine.comm import in_distributed_launch, init_from_env
-from hongtu.engine.executor import (
-    Executor,
-    gradients_kept,
-    layers_moved_whole,
-    reads_rows_once,
-)
+from hongtu.engine.executor import Executor, plan_handoffs, reads_rows_once
 from hongtu.errors import UserError
 from hongtu.graph import Graph
 from hongtu.nn.model import GNN, build_model, describe_layers
@@ -241,10 +236,10 @@ class Trainer:
         split["blocks_s"] = time.perf_counter() - t
         # Gradients the executor will keep on the device need no host buffer
         # (its row memory is at least row_elements: it keeps at least these).
-        moved = layers_moved_whole(b - a, widths, row_elements, int(dplan.load_ids.shape[0]),
-                                   world > 1) if e.whole_layers and not self.resident \
-            else [False] * (len(widths) - 1)
-        kept = gradients_kept(moved, self.model.cached_layers(e.checkpoint), widths)
+        kept = plan_handoffs(b - a, widths, row_elements, dplan,
+                             dplan.max_later_load if e.overlap else 0, world > 1,
+                             self.model.cached_layers(e.checkpoint), once,
+                             enabled=e.whole_layers and not self.resident).kept
         plan = BufferPlan(b - a, widths, stored, itemsize, grads=[not k for k in kept])
         self.out(self._plan_text(plan, parts, chunks))
         t = time.perf_counter()
