@@ -53,16 +53,30 @@ def _row_blocks(num_nodes: int) -> np.ndarray:
 def _presence(t_ptr, t_ids, bounds, pm):
     """Bit ``s`` of row ``u``'s mask ``pm[u]``: step ``s`` reads row ``u``.
 
-    Every block of rows finds its piece of each (sorted) set by binary search,
-    so blocks write disjoint rows.
+    Every block of rows clears its rows (``pm`` may come from ``np.empty``:
+    the pages are first touched here, on all threads) and finds its piece of
+    each (sorted) set by binary search, so blocks write disjoint rows.
     """
     for w in numba.prange(bounds.shape[0] - 1):
         r0, r1 = bounds[w], bounds[w + 1]
+        pm[r0:r1] = 0
         for s in range(t_ptr.shape[0] - 1):
             seg = t_ids[t_ptr[s]:t_ptr[s + 1]]
             bit = _ONE << np.uint64(s & 63)
             for k in range(np.searchsorted(seg, r0), np.searchsorted(seg, r1)):
                 pm[seg[k], s >> 6] |= bit
+
+
+def set_cuts(ptr: np.ndarray, ids: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """``cut[s, t]`` = position in ``ids`` of the first id ``>= bounds[t]`` in
+    sorted set ``s`` (CSR ``ptr``/``ids``)."""
+    bounds = np.asarray(bounds, dtype=_I64)
+    if ids.dtype != _I64 and (bounds.size == 0 or bounds.max() <= np.iinfo(ids.dtype).max):
+        bounds = bounds.astype(ids.dtype)  # (keys of another dtype: numpy copies the set)
+    out = np.empty((ptr.shape[0] - 1, bounds.shape[0]), dtype=_I64)
+    for s in range(out.shape[0]):
+        out[s] = ptr[s] + np.searchsorted(ids[ptr[s]:ptr[s + 1]], bounds)
+    return out
 
 
 @numba.njit(cache=True, inline="always")
@@ -350,7 +364,7 @@ def _select(t_ptr, t_ids, num_nodes, extra, part_ptr):
     devices = part_ptr.shape[0] - 1
     words = (num_steps + 63) // 64
     bounds = _row_blocks(num_nodes)
-    pm = np.zeros((num_nodes, words), dtype=_U64)  # the steps reading each row
+    pm = np.empty((num_nodes, words), dtype=_U64)  # the steps reading each row
     _presence(t_ptr, t_ids, bounds, pm)
     width = num_steps + 1  # above any gap count
     # (keys stay below (num_steps // 2 + 1) * width: int32 unless the steps are many)
@@ -363,10 +377,7 @@ def _select(t_ptr, t_ids, num_nodes, extra, part_ptr):
     if cands.size == 0:
         return None
     # Set sizes per device and step: room = largest + extra - this one.
-    sizes = np.empty((devices, num_steps), dtype=_I64)
-    for s in range(num_steps):
-        seg = t_ids[t_ptr[s]:t_ptr[s + 1]]
-        sizes[:, s] = np.diff(np.searchsorted(seg, part_ptr))
+    sizes = np.diff(set_cuts(t_ptr, t_ids, part_ptr), axis=1).T.copy()
     top = sizes.max(axis=1, keepdims=True) + int(extra)
     room = top - sizes
     full = np.zeros((devices, masks.shape[1]), dtype=_U64)

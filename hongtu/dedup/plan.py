@@ -21,7 +21,7 @@ import numba
 import numpy as np
 
 from hongtu.dedup import _kernels as K
-from hongtu.dedup.cache import KeptRows, choose_kept_rows
+from hongtu.dedup.cache import KeptRows, choose_kept_rows, set_cuts
 from hongtu.dedup.sets import (
     check_order,
     consecutive_overlaps,
@@ -35,15 +35,6 @@ from hongtu.errors import UserError
 __all__ = ["DeviceNeeds", "plan_transfers"]
 
 _I64 = np.int64
-
-
-def _cuts(ptr: np.ndarray, ids: np.ndarray, bounds: np.ndarray) -> np.ndarray:
-    """``cut[s, t]`` = position in ``ids`` of the first id ``>= bounds[t]`` in set ``s``."""
-    num = ptr.shape[0] - 1
-    out = np.empty((num, bounds.shape[0]), dtype=_I64)
-    for s in range(num):
-        out[s] = ptr[s] + np.searchsorted(ids[ptr[s]:ptr[s + 1]], bounds)
-    return out
 
 
 def _gather(vals: np.ndarray, start: np.ndarray, stop: np.ndarray,
@@ -195,7 +186,7 @@ def _needs(t_ptr, t_ids, overlaps, part_ptr, nb_ptr, nb_cut, order, devices, exc
         later = sizes[1:] - overlaps
         return [DeviceNeeds(int(sizes.max()) if sizes.size else 0,
                             int(later.max()) if later.size else 0)]
-    t_cut = _cuts(t_ptr, t_ids, part_ptr)
+    t_cut = set_cuts(t_ptr, t_ids, part_ptr)
     out = []
     for d in range(devices):
         a, b = t_cut[:, d].copy(), t_cut[:, d + 1].copy()
@@ -296,7 +287,7 @@ def plan_transfers(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarra
     shared = p2p or m == 1
     exchange = shared and devices > 1
     kept = None
-    nb_cut = _cuts(nb_ptr, nb_ids, part_ptr) if exchange else None
+    nb_cut = set_cuts(nb_ptr, nb_ids, part_ptr) if exchange else None
     if callable(cache_rows):
         cache_rows = int(cache_rows(_needs(t_ptr, t_ids, overlaps, part_ptr, nb_ptr, nb_cut, order,
                                            devices, exchange))) if shared and reuse else 0
@@ -305,7 +296,7 @@ def plan_transfers(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarra
         kept = choose_kept_rows(t_ptr, t_ids, num_nodes, int(cache_rows),
                                 part_ptr if exchange else None)
     flags = None if kept is None else _flags(kept, t_ptr, t_ids)
-    t_cut = _cuts(t_ptr, t_ids, part_ptr) if exchange else None
+    t_cut = set_cuts(t_ptr, t_ids, part_ptr) if exchange else None
     flat = order.ravel()
     # Resident segments of all devices are disjoint pieces of one base array,
     # so one slot array aligned with that base serves every device.

@@ -26,7 +26,7 @@ import numpy as np
 from hongtu.config import format_size
 from hongtu.errors import UserError
 from hongtu.graph import Graph
-from hongtu.graph._kernels import unique_union
+from hongtu.graph._kernels import RunBitmaps, unique_union
 from hongtu.nn import ops
 from hongtu.nn.model import GNN
 from hongtu.partition import Chunker, Partition
@@ -38,6 +38,10 @@ __all__ = ["CHUNK_CANDIDATES", "ChunkSizes", "Chunkings", "choose_chunks", "chun
 
 CHUNK_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512,
                     768, 1024, 1536, 2048, 4096)
+#: chunk counts sized by one pass over the edges when the search needs one
+#: (:meth:`Chunkings.count`): the count it stops at is most often within three
+#: of its start
+_AHEAD = 4
 _MASK_BYTES = 5  # dropout: the boolean mask and the masked copy's extra, per element
 # (none when the fused GPU kernel runs, ops.fused_dropout: counted then only for
 # layers with their own forward, whose peaks were measured with it counted)
@@ -225,9 +229,10 @@ class Chunkings:
     """The chunkings of one assignment tried for the chunk count, with their sizes.
 
     The renumbering is shared by every count (:class:`~hongtu.partition.Chunker`),
-    and so are the in-edge segments of the vertices in its order: each count
-    is then one bitmap pass over the edges
-    (:func:`~hongtu.graph._kernels.unique_union`). :meth:`bound` gives,
+    and so are the in-edge segments of the vertices in its order: a count is
+    then one bitmap pass over the edges
+    (:func:`~hongtu.graph._kernels.unique_union`), and so are several
+    (:meth:`count`). :meth:`bound` gives,
     without looking at the edges, sizes no chunking's are below (every
     chunk's destinations and edges, no sources), so a count whose bound
     already misses the budget is never cut for real.
@@ -241,19 +246,53 @@ class Chunkings:
             if self.chunker.ordered else _in_edge_prefix(graph, self.chunker.perm)
         self._cut: dict[int, tuple[Partition, ChunkSizes]] = {}
         self._segments: tuple[np.ndarray, np.ndarray] | None = None
+        self._runs: tuple[RunBitmaps, set[int]] | None = None  # (the last count's)
 
     def get(self, n: int) -> tuple[Partition, ChunkSizes]:
         """``n`` chunks per part and their sizes."""
         if n not in self._cut:
             p = self.chunker.cut(n)
-            if self._segments is None:
-                indptr = np.asarray(self.graph.indptr, dtype=np.int64)
-                self._segments = (indptr[:-1], indptr[1:]) if self.chunker.ordered \
-                    else (indptr[p.perm], indptr[p.perm + 1])
-            num_src = unique_union(self.graph.indices, p.chunk_ptr, *self._segments,
+            num_src = unique_union(self.graph.indices, p.chunk_ptr, *self._segments_of(p),
                                    self.graph.num_nodes, seg_ptr=self._cum)
             self._cut[n] = p, _sizes(self._cum, p.chunk_ptr, num_src)
         return self._cut[n]
+
+    def count(self, ns) -> None:
+        """Cut and size the counts ``ns``, the first not sized yet, with one pass
+        over the edges (:class:`~hongtu.graph._kernels.RunBitmaps`), where
+        their bitmaps fit; :meth:`get` then has them (and cuts any left one by
+        one). Nothing is done when the first is sized already. The bitmaps of
+        the pass are kept for :meth:`sets`."""
+        new = [n for n in dict.fromkeys(ns) if n not in self._cut]
+        if len(new) < 2 or new[0] != ns[0]:
+            return
+        parts = [self.chunker.cut(n) for n in new]
+        runs = RunBitmaps.mark(self.graph.indices, [p.chunk_ptr for p in parts],
+                               *self._segments_of(parts[0]), self.graph.num_nodes,
+                               seg_ptr=self._cum)
+        if runs is None:
+            return
+        for n, p in zip(new, parts):
+            self._cut[n] = p, _sizes(self._cum, p.chunk_ptr, runs.counts(p.chunk_ptr))
+        self._runs = runs, set(new)
+
+    def sets(self, n: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The neighbour sets of ``n`` chunks per part, as
+        :func:`~hongtu.dedup.neighbour_sets` gives them on the renumbered
+        graph, when the last :meth:`count` sized ``n`` and the renumbering
+        keeps the ids (its bitmaps then hold them: no pass over the edges);
+        else ``None``."""
+        if self._runs is None or n not in self._runs[1] or not self.chunker.ordered:
+            return None
+        return self._runs[0].sets(self._cut[n][0].chunk_ptr)
+
+    def _segments_of(self, p: Partition) -> tuple[np.ndarray, np.ndarray]:
+        """The in-edge segments of the vertices in the chunker's order."""
+        if self._segments is None:
+            indptr = np.asarray(self.graph.indptr, dtype=np.int64)
+            self._segments = (indptr[:-1], indptr[1:]) if self.chunker.ordered \
+                else (indptr[p.perm], indptr[p.perm + 1])
+        return self._segments
 
     def bound(self, n: int) -> ChunkSizes:
         """Lower bounds of the sizes of ``n`` chunks per part (sources counted as 0)."""
@@ -292,31 +331,23 @@ def choose_chunks(graph: Graph, assignment: np.ndarray, num_parts: int, model: G
     def need(i: int) -> int:
         n = cands[i]
         if n not in seen:
+            chunkings.count(cands[i:i + _AHEAD])  # (one pass over the edges for these)
             seen[n] = estimate_of(chunkings.get(n)[1])
         return seen[n]
 
     if budget is None:
-        return cands[0], need(0)
+        return cands[0], estimate_of(chunkings.get(cands[0])[1])
     # Counts whose bound (no pass over the edges) misses the budget cannot fit:
-    # start at the first that might, walk up to one that fits (by one count
-    # twice, as the bound's start is most often one or two short, then by
-    # doubling steps), then bisect the last step (the estimate falls as
-    # chunks grow). Every count tried costs a pass over the edges.
-    last = len(cands) - 1
+    # walk up from the first that might (the bound is most often one or two
+    # short) to the first that fits; a pass over the edges sizes the next
+    # _AHEAD counts at once.
     start = next((i for i in range(len(cands))
-                  if estimate_of(chunkings.bound(cands[i])) <= budget), None)
-    if start is not None:
-        lo, hi, step = start - 1, start, 1
-        while need(hi) > budget and hi < last:
-            lo, hi = hi, min(last, hi + step)
-            step = 2 * step if hi - start >= 2 else step
-        if need(hi) <= budget:
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if need(mid) <= budget else (mid, hi)
-            return cands[hi], need(hi)
+                  if estimate_of(chunkings.bound(cands[i])) <= budget), len(cands))
+    for i in range(start, len(cands)):
+        if need(i) <= budget:
+            return cands[i], need(i)
     # Nothing fits: report the most chunks' real need (the smallest estimate).
-    n, least = cands[last], need(last)
+    n, least = cands[-1], need(len(cands) - 1)
     raise UserError(
         f"engine.device_memory={format_size(budget)} is too small: even {n} chunks per part "
         f"need {format_size(least)} on the device; raise engine.device_memory to at least "

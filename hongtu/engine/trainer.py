@@ -166,6 +166,8 @@ class Trainer:
             chunks = e.chunks
         part, sizes = self._chunkings.get(chunks)  # (a part too small for them: UserError)
         self.partition = dataclasses.replace(part, method=e.partitioner, seed=cfg.train.seed)
+        # (From the chunk-count search's bitmaps, when they hold them: no pass.)
+        neighbours = self._chunkings.sets(chunks)
         del self._chunkings  # the chunkings tried for the chunk count
         partition_s = time.perf_counter() - t_part
         self.estimate = estimate_device_bytes(self.model, sizes, itemsize,
@@ -194,9 +196,9 @@ class Trainer:
                 overlap=e.overlap, load_rows=dplan.max_later_load, resident=self.resident)
 
         blocks = resident_block_bytes(sizes, itemsize)
-        # (The sets' sizes are the sources the chunk count was chosen by.)
-        neighbours = neighbour_sets(g.indptr, g.indices, self.partition.chunk_ptr,
-                                    counts=sizes.num_src)
+        if neighbours is None:  # (their sizes are the sources the count was chosen by)
+            neighbours = neighbour_sets(g.indptr, g.indices, self.partition.chunk_ptr,
+                                        counts=sizes.num_src)
 
         def cache_rows(needs) -> int:
             """Rows the budget left after the plan keeps resident across batches."""

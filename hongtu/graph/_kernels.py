@@ -348,3 +348,108 @@ def unique_union(values: np.ndarray, gptr: np.ndarray, seg_start: np.ndarray,
         raise ValueError("the counts given are not the sizes of these sets")
     np.cumsum(counts, out=ptr[1:])
     return ptr, np.concatenate(out) if len(out) > 1 else out[0]
+
+
+@parallel_kernel
+def _union_blocks(rows, first, block, offs, out, counts):
+    """Per group ``g`` and block ``b`` of ``block`` words, the OR of rows
+    ``first[g]:first[g+1]`` (the rows left as they are): its set bits counted
+    into ``counts[g, b]`` (``out`` empty), or their ids written from
+    ``out[offs[g, b]]`` on."""
+    words = rows.shape[1]
+    nblocks = counts.shape[1]
+    write = out.shape[0] > 0
+    for it in numba.prange(counts.shape[0] * nblocks):
+        g, b = it // nblocks, it % nblocks
+        a, z = b * block, min(words, (b + 1) * block)
+        r0, r1 = first[g], first[g + 1]
+        if r0 >= r1:
+            counts[g, b] = 0
+            continue
+        acc = rows[r0, a:z].copy()
+        for r in range(r0 + 1, r1):
+            acc |= rows[r, a:z]
+        if write:
+            o = offs[g, b]
+            for i in range(z - a):
+                x = acc[i]
+                while x != 0:
+                    out[o] = 64 * (a + i) + lowest_bit(x)
+                    o += 1
+                    x &= x - _ONE
+            continue
+        c = 0
+        for i in range(z - a):
+            c += popcount(acc[i])
+        counts[g, b] = c
+
+
+class RunBitmaps:
+    r"""Segments cut into runs, each run's values marked in its own bitmap.
+
+    A group of consecutive segments whose bounds are run bounds is the union
+    of its runs: its distinct values are the set bits of the OR of their
+    bitmaps, so several groupings of the same segments are counted (and
+    their sets listed) from one pass over the values. Made by
+    :meth:`mark`.
+    """
+
+    _BLOCK = 4096  # words per task of the ORs
+
+    def __init__(self, rows: np.ndarray, cuts: np.ndarray, dtype: np.dtype) -> None:
+        self.rows, self.cuts, self.dtype = rows, cuts, dtype
+
+    @classmethod
+    def mark(cls, values: np.ndarray, groupings: list[np.ndarray], seg_start: np.ndarray,
+             seg_stop: np.ndarray, num_nodes: int, seg_ptr: np.ndarray | None = None,
+             threads: int | None = None) -> RunBitmaps | None:
+        """Cut the segments at every bound of ``groupings`` (each a ``gptr`` of
+        :func:`unique_union` over these segments), and into runs of about
+        equal length on top so that every thread has several, then mark each
+        run. ``None`` when the runs' bitmaps would not fit ``_BITS_BYTES``."""
+        values = np.ascontiguousarray(values)
+        seg_start = np.ascontiguousarray(seg_start, dtype=np.int64)
+        seg_stop = np.ascontiguousarray(seg_stop, dtype=np.int64)
+        if seg_ptr is None:
+            seg_ptr = np.zeros(seg_start.shape[0] + 1, dtype=np.int64)
+            np.cumsum(seg_stop - seg_start, out=seg_ptr[1:])
+        seg_ptr = np.ascontiguousarray(seg_ptr, dtype=np.int64)
+        threads = threads or numba.get_num_threads()
+        words = (int(num_nodes) + 63) // 64
+        room = _BITS_BYTES // (8 * max(words, 1))  # bitmaps that fit
+        cuts = np.unique(np.concatenate([np.asarray(g, dtype=np.int64) for g in groupings])) \
+            if groupings else np.zeros(1, np.int64)
+        if cuts.shape[0] - 1 > room:
+            return None
+        even = np.linspace(0, int(seg_ptr[-1]), min(4 * threads, room - cuts.shape[0] + 1) + 1)
+        if even.shape[0] > 1:
+            at = np.searchsorted(seg_ptr, even.astype(np.int64), side="left")
+            cuts = np.unique(np.concatenate([cuts, at[(at > cuts[0]) & (at < cuts[-1])]]))
+        rows = np.empty((cuts.shape[0] - 1, words), dtype=np.uint64)
+        _unique_mark(values, cuts, seg_start, seg_ptr, 1, rows)
+        return cls(rows, cuts, values.dtype)
+
+    def _blocks(self, gptr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        first = np.searchsorted(self.cuts, np.asarray(gptr, dtype=np.int64))
+        if not np.array_equal(self.cuts[np.minimum(first, self.cuts.shape[0] - 1)], gptr):
+            raise ValueError("a group bound is not a bound of the runs")
+        part = np.empty((first.shape[0] - 1, -(-self.rows.shape[1] // self._BLOCK)), np.int64)
+        _union_blocks(self.rows, first, self._BLOCK, part, np.empty(0, self.dtype), part)
+        return first, part
+
+    def counts(self, gptr: np.ndarray) -> np.ndarray:
+        """Distinct values of every group of ``gptr`` (int64)."""
+        return self._blocks(gptr)[1].sum(axis=1)
+
+    def sets(self, gptr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The groups' sorted sets: CSR ``(ptr, ids)``, ``ids`` of the values' dtype."""
+        first, part = self._blocks(gptr)
+        offs = np.zeros(part.size + 1, dtype=np.int64)
+        np.cumsum(part.ravel(), out=offs[1:])
+        ids = np.empty(int(offs[-1]), dtype=self.dtype)
+        if ids.size:
+            _union_blocks(self.rows, first, self._BLOCK, offs[:-1].reshape(part.shape), ids,
+                          part)
+        ptr = np.zeros(part.shape[0] + 1, dtype=np.int64)
+        np.cumsum(part.sum(axis=1), out=ptr[1:])
+        return ptr, ids

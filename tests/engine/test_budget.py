@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from hongtu.dedup import neighbour_sets
 from hongtu.engine.budget import (
     CHUNK_CANDIDATES,
     Chunkings,
@@ -22,6 +23,7 @@ from hongtu.engine.executor import (
     rows_kept_at,
 )
 from hongtu.errors import UserError
+from hongtu.graph._kernels import RunBitmaps
 from hongtu.partition import chunk_partition
 from tests.cases import CASES
 from tests.engine.test_oracle import make_model
@@ -213,3 +215,65 @@ def test_chunkings_bound_is_below_every_real_estimate():
     for budget in sorted(set(needs.values()))[::3]:
         n, est = choose_chunks(graph, assignment, 2, model, budget, overlap=True)
         assert est == needs[n] and all(needs[k] > budget for k in needs if k < n)
+
+
+def test_chunk_count_search_sizes_its_next_counts_in_one_pass(monkeypatch):
+    # The walk from the bound's start sizes four counts per pass over the edges
+    # (RunBitmaps), the same sizes as one by one, and stops at the fewest that
+    # fit; the chosen count's neighbour sets come from the same bitmaps.
+    import hongtu.engine.budget as budget_mod
+    graph = CASES["skewed"](seed=0)
+    model = make_model("gcn")
+    assignment = np.zeros(graph.num_nodes, dtype=np.int64)
+    cands = [n for n in CHUNK_CANDIDATES if n <= graph.num_nodes]
+    one_by_one = Chunkings(graph, assignment, 1)
+    needs = {n: estimate_device_bytes(model, one_by_one.get(n)[1], num_nodes=graph.num_nodes,
+                                      overlap=True) for n in cands}
+    bounds = Chunkings(graph, assignment, 1)  # (never cut: its bounds stay bounds)
+    passes = []
+    real_union, real_mark = budget_mod.unique_union, RunBitmaps.mark.__func__
+    monkeypatch.setattr(budget_mod, "unique_union",
+                        lambda *a, **k: passes.append(1) or real_union(*a, **k))
+    monkeypatch.setattr(RunBitmaps, "mark", classmethod(
+        lambda cls, *a, **k: passes.append(1) or real_mark(cls, *a, **k)))
+    for budget in sorted(set(needs.values())):
+        passes.clear()
+        chunkings = Chunkings(graph, assignment, 1)
+        n, est = choose_chunks(graph, assignment, 1, model, budget, chunkings=chunkings,
+                               overlap=True)
+        assert est == needs[n] and all(needs[k] > budget for k in cands if k < n)
+        start = next(i for i, k in enumerate(cands) if estimate_device_bytes(
+            model, bounds.bound(k), num_nodes=graph.num_nodes, overlap=True) <= budget)
+        assert len(passes) == -(-(cands.index(n) - start + 1) // 4), (budget, n, start)
+        for k, (part, sizes) in chunkings._cut.items():
+            assert np.array_equal(sizes.num_src, one_by_one.get(k)[1].num_src)
+            assert np.array_equal(part.chunk_ptr, one_by_one.get(k)[0].chunk_ptr)
+        ptr, ids = chunkings.sets(n)
+        want = neighbour_sets(graph.indptr, graph.indices, chunkings.get(n)[0].chunk_ptr)
+        assert np.array_equal(ptr, want[0]) and np.array_equal(ids, want[1])
+        assert len(passes) == -(-(cands.index(n) - start + 1) // 4)  # (none more for them)
+    # Renumbered ids (parts not in id order): no sets from the bitmaps.
+    two = Chunkings(graph, np.arange(graph.num_nodes) % 2, 2)
+    two.count([1, 2])
+    assert 1 in two._cut and two.sets(1) is None
+
+
+def test_trainer_takes_the_chosen_counts_sets_from_the_search(tmp_path, monkeypatch):
+    # chunks=auto under a budget: the neighbour sets come from the search's
+    # bitmaps (no neighbour_sets pass), and the run is the one a fixed count
+    # gets from neighbour_sets: same plan, same losses.
+    import hongtu.engine.trainer as trainer_mod
+    from tests.engine.test_resident import trainer
+
+    calls = []
+    real = trainer_mod.neighbour_sets
+    monkeypatch.setattr(trainer_mod, "neighbour_sets",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    common = ("engine.accelerator=cpu", "engine.device_memory=70MiB")
+    auto = trainer(tmp_path / "a", *common, "engine.chunks=auto")
+    assert auto.chunks.num_chunks > 1 and calls == []
+    fixed = trainer(tmp_path / "b", *common, f"engine.chunks={auto.chunks.num_chunks}")
+    assert calls == [1]
+    assert fixed.transfer_plan.h2d_rows == auto.transfer_plan.h2d_rows
+    for e in range(2):
+        assert auto.run_epoch(e)["loss"] == fixed.run_epoch(e)["loss"]

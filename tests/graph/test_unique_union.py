@@ -82,3 +82,47 @@ def test_unique_union_sorts_or_scans_by_spread(monkeypatch, serial):
                               np.unique(values[cuts[r]:cuts[r + 1]]))
     assert unique_union(values, gptr, cuts[:-1], cuts[1:], n, threads=1).tolist() == \
         np.diff(ptr).tolist()
+
+
+@pytest.mark.parametrize("path", [dict(threads=1), dict(threads=3, big=True),
+                                  dict(threads=64, big=True)])
+def test_run_bitmaps_count_and_list_every_grouping_from_one_pass(monkeypatch, path):
+    # Several groupings of the same (permuted) segments, with empty groups and
+    # shared and unshared bounds: each one's counts and sets are unique_union's.
+    g = random_graph(300, 4000, seed=7)
+    rng = np.random.default_rng(1)
+    perm = rng.permutation(g.num_nodes)
+    ip = np.asarray(g.indptr, dtype=np.int64)
+    segs = (ip[perm], ip[perm + 1])
+    groupings = [_ranges_of(rng, g.num_nodes, k) for k in (0, 2, 5, 40)]
+    groupings.append(np.array([0, 0, 150, 150, 300], dtype=np.int64))
+    if path.get("big"):
+        monkeypatch.setattr(_kernels, "SERIAL_BELOW", 0)
+    marked = []
+    real_mark = _kernels._unique_mark
+    monkeypatch.setattr(_kernels, "_unique_mark", lambda *a: marked.append(1) or real_mark(*a))
+
+    def check(runs, values):
+        for gptr in groupings:
+            want = unique_union(values, gptr, *segs, g.num_nodes, sets=True, threads=1)
+            assert runs.counts(gptr).tolist() == np.diff(want[0]).tolist()
+            ptr, ids = runs.sets(gptr)
+            assert ids.dtype == values.dtype
+            assert np.array_equal(ptr, want[0]) and np.array_equal(ids, want[1])
+
+    for values in (g.indices, g.indices.astype(np.int64)):
+        runs = _kernels.RunBitmaps.mark(values, groupings, *segs, g.num_nodes,
+                                        threads=path["threads"])
+        check(runs, values)
+        bad = next(v for v in range(1, 300) if v not in runs.cuts)
+        with pytest.raises(ValueError, match="not a bound of the runs"):
+            runs.counts(np.array([0, bad, 300]))
+    assert len(marked) == 2  # one marking of the values per RunBitmaps
+    # Room for the runs the bounds cut and no more (no even runs on top): the
+    # same answers; room for fewer: no bitmaps.
+    runs = np.unique(np.concatenate(groupings)).shape[0] - 1
+    monkeypatch.setattr(_kernels, "_BITS_BYTES", 40 * runs)  # bitmaps of 300 ids: 40 bytes
+    check(_kernels.RunBitmaps.mark(g.indices, groupings, *segs, g.num_nodes,
+                                   threads=path["threads"]), g.indices)
+    monkeypatch.setattr(_kernels, "_BITS_BYTES", 40 * (runs - 1))
+    assert _kernels.RunBitmaps.mark(g.indices, groupings, *segs, g.num_nodes) is None
