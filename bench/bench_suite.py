@@ -254,10 +254,12 @@ def warm_up(args) -> None:
     try:
         for _kernels.SERIAL_BELOW, reorg._BITSET_BYTES in ((below, bits), (0, bits), (0, 0)):
             # (Few chunks split each one's edges over the threads; many are
-            # dealt to them: both ways of counting a chunk's sources.)
+            # dealt to them: both ways of counting a chunk's sources; the
+            # chunk-count search sizes several counts at once.)
             for engine in ({"chunks": 4},
                            {"chunks": 8, "resident": False, "device_memory": "256MiB"},
-                           {"chunks": 64, "resident": False}):
+                           {"chunks": 64, "resident": False},
+                           {"chunks": "auto", "resident": False, "device_memory": "256MiB"}):
                 cfg = config_from_dict({
                     "data": {"path": "builtin:rmat-16"}, "model": {"hidden": 16},
                     "train": {"epochs": 1},
