@@ -567,3 +567,20 @@ def test_slot_assignment_is_lowest_free(monkeypatch, reuse, serial, pieces):
                 for u, _ in flushes[t] if t < s else []:
                     live.pop(u)
             assert held == live, (trial, s)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_set_cuts_are_each_sets_first_positions_at_or_above_each_bound(dtype):
+    # (int32 sets searched with int64 bounds would be copied whole by numpy:
+    # the bounds are narrowed when they fit, never changing the answer.)
+    from hongtu.dedup.cache import set_cuts
+
+    rng = np.random.default_rng(3)
+    sets = [np.sort(rng.choice(100, k, replace=False)) for k in (0, 5, 40, 100)]
+    ptr = np.cumsum([0] + [s.size for s in sets])
+    ids = np.concatenate(sets).astype(dtype)
+    for bounds in (np.array([0, 10, 50, 100]), np.array([], dtype=np.int64),
+                   np.array([0, 2**40])):
+        got = set_cuts(ptr, ids, bounds)
+        want = [[ptr[s] + int(np.sum(sets[s] < b)) for b in bounds] for s in range(len(sets))]
+        assert got.dtype == np.int64 and got.tolist() == want
