@@ -148,6 +148,13 @@ def first_layer_busy(num_rows: int, widths: list[int], buffer_rows: int, stage_r
                                       if stage_rows else [])
 
 
+def grads_beside(at: int, size: int) -> int:
+    """Where the gradients of ``size`` elements of rows kept at ``at`` go: the
+    start of the row memory when the rows leave room there, else right after
+    them (:func:`rows_kept_at`)."""
+    return 0 if at >= size else at + size
+
+
 def rows_kept_at(num_rows: int, widths: list[int], memory: int, whole: list[bool],
                  read_once: list[bool], busy: list[tuple[int, int]]) -> int | None:
     """Where ``h^1`` may stay in the row memory from the first layer's forward
@@ -165,7 +172,7 @@ def rows_kept_at(num_rows: int, widths: list[int], memory: int, whole: list[bool
         return None
     size = num_rows * widths[1]
     for a in sorted({0, size} | {b for _, b in busy}):
-        grads = 0 if a >= size else a + size
+        grads = grads_beside(a, size)
         if (max(a, grads) + size <= memory
                 and all(a + size <= x or a >= y for x, y in busy)):
             return a
@@ -398,18 +405,13 @@ class Executor:
         self._first_in_slots = (not self._direct and comm is None and not self._whole[0]
                                 and self.cached[0])
         self._piece = max(chunks.max_rows()[0], 1)  # rows dropped at a time
-        # Gradients handed from pass to pass in the row memory, and the half of
-        # a whole layer's row memory its sources' gradients add up in (the rows'
-        # half when the other holds ∇h^L).
+        # Gradients handed from pass to pass in the row memory.
         self._kept = hand.kept
         lacking = [l for l in range(1, len(widths))
                    if buffers.grad[l] is None and not self._kept[l]]
         if lacking:
             raise ValueError(f"host buffers lack grad h^{lacking[0]}, which this executor "
                              "moves through host memory (BufferPlan.grads)")
-        self._ghalf = [1] * len(self._whole)
-        if self._kept[-1]:
-            self._ghalf[-1] = 0
         # Where whole layers keep their rows and gradients (element offsets);
         # h^1 may stay from the first layer's forward pass to the second's.
         self._at = [(0, n * w) for w in widths[:-1]]
@@ -417,7 +419,7 @@ class Executor:
         self.rows_kept = at is not None
         if self.rows_kept:
             size = n * widths[1]
-            self._at[1] = (at, 0 if at >= size else at + size)
+            self._at[1] = (at, grads_beside(at, size))
         if device.type == "cpu":
             self._blocks = chunks.blocks
         elif resident_blocks:
@@ -477,8 +479,8 @@ class Executor:
     def _grad_rows(self, l: int) -> Tensor:
         """Where a whole layer ``l`` adds ``∇h^l`` up (and, :func:`gradients_kept`,
         keeps it); ``∇h^L``: in the last layer's gradient room."""
-        if l < len(self._whole):
-            return self._whole_rows(l, self._ghalf[l])
+        if l < len(self._whole):  # (the last layer's rows' half when ∇h^L holds the other)
+            return self._whole_rows(l, 0 if l == len(self._whole) - 1 and self._kept[-1] else 1)
         n, at = self.buf.h[0].shape[0], self._at[l - 1][1]
         return self._rowmem[at:at + n * self.buf.h[l].shape[1]].view(n, -1)
 

@@ -220,8 +220,8 @@ class Trainer:
         left, self.blocks_fit = leftover_bytes(self.room, self.estimate, blocks)
         left = None if self.resident or not e.whole_layers else left
         dplan, widths = self.transfer_plan.plans[rank], self.model.row_widths()
-        plan_rows = row_memory(dplan.buffer_rows, widths,
-                               dplan.max_later_load if e.overlap else 0)
+        stage = dplan.max_later_load if e.overlap else 0  # staging rows of the row memory
+        plan_rows = row_memory(dplan.buffer_rows, widths, stage)
         row_elements = grown_row_memory(plan_rows, left, b - a, widths,
                                         int(dplan.load_ids.shape[0]), world > 1, itemsize,
                                         keep_rows=len(once) > 1 and once[1])
@@ -238,8 +238,7 @@ class Trainer:
         split["blocks_s"] = time.perf_counter() - t
         # Gradients the executor will keep on the device need no host buffer
         # (its row memory is at least row_elements: it keeps at least these).
-        kept = plan_handoffs(b - a, widths, row_elements, dplan,
-                             dplan.max_later_load if e.overlap else 0, world > 1,
+        kept = plan_handoffs(b - a, widths, row_elements, dplan, stage, world > 1,
                              self.model.cached_layers(e.checkpoint), once,
                              enabled=e.whole_layers and not self.resident).kept
         plan = BufferPlan(b - a, widths, stored, itemsize, grads=[not k for k in kept])
