@@ -458,12 +458,12 @@ class Executor:
         return 0 if t is None else t.numel() * t.element_size()
 
     # ------------------------------------------------------------- helpers
-    def _fetch_block(self, c: int, transpose: bool = True):
+    def _fetch_block(self, c: int, skip: tuple[str, ...] = ()):
         """Chunk ``c``'s block, or (blocks not resident) a ticket for its copy
-        (without ``transpose``, the transpose stays in host memory)."""
+        (the tensors named in ``skip`` stay in host memory)."""
         block = self._blocks[c]
         if self._copy_blocks and block is not None:
-            return self.mover.fetch_block(block, transpose)
+            return self.mover.fetch_block(block, skip)
         return block
 
     def _take_block(self, fetched) -> Block:
@@ -520,16 +520,27 @@ class Executor:
                                         direct=s == 0)
         return self.mover.fetch_rows(self.buf.h[l], ids, slots, tbuf, direct=s == 0)
 
-    def _drop_loaded(self, s: int, tbuf: Tensor, seed: int) -> None:
-        """Apply the first layer's dropout to the rows step ``s`` brought, in their slots."""
-        if self.model.p <= 0:
+    def _place_dropped(self, rows: Ticket, s: int, tbuf: Tensor, seed: int) -> None:
+        """Put the rows step ``s`` brought into their slots with the first layer's
+        dropout applied: as they leave the staging area where they came
+        through it, else in their slots (a bounded piece at a time, unless one
+        kernel drops them where they lie)."""
+        mv, model = self.mover, self.model
+        if model.p <= 0:
+            mv.place(rows)
             return
         ids, slots = self.plan.load(s)
-        with self.mover.timing("time_compute_s"):
-            for a in range(0, ids.shape[0], self._piece):
-                at = slots[a:a + self._piece]
-                tbuf.index_copy_(0, at, self.model.drop_sources(0, tbuf.index_select(0, at),
-                                                                ids[a:a + self._piece], seed))
+        fused = tbuf.is_cuda and tbuf.dtype == torch.float32 and ops.fused_dropout()
+        with mv.timing("time_compute_s"):
+            def put(value, buf, at):
+                model.drop_sources_into(0, value, ids, seed, buf, at)
+
+            if mv.place(rows, put if fused else None) and fused:
+                return
+            piece = max(ids.shape[0], 1) if fused else self._piece
+            for a in range(0, ids.shape[0], piece):
+                at = slots[a:a + piece]
+                model.drop_sources_into(0, tbuf, ids[a:a + piece], seed, tbuf, at, x_at=at)
 
     def _seed(self, epoch: int, l: int) -> int:
         return layer_seed(self.seed, epoch, l)
@@ -559,17 +570,19 @@ class Executor:
                 v0, v1 = self.chunks.range(c)
                 rows = None if l == 1 and keep else self._fetch_rows(l, i, s, first, tbuf)
                 dst = mv.fetch_range(buf.h[l], v0, v1, "dst") if layer.needs_dst else None
-                return rows, dst, self._fetch_block(c, transpose=layer.reads_transpose)
+                return rows, dst, self._fetch_block(
+                    c, () if layer.reads_transpose else Block.TRANSPOSE)
 
             def run(i, fetched, fetch_next, l=l, layer=layer, seed=seed, nxt=nxt, tbuf=tbuf):
                 s, q, c, _, _ = plan.items[i]
                 rows, dst, block = fetched
                 in_slots = l == 0 and self._first_in_slots
                 if rows is not None:
-                    mv.place(rows)
-                    self._exchange(s, tbuf)
                     if in_slots and train:
-                        self._drop_loaded(s, tbuf, seed)
+                        self._place_dropped(rows, s, tbuf, seed)
+                    else:
+                        mv.place(rows)
+                    self._exchange(s, tbuf)
                 fetch_next()
                 block = self._take_block(block)
                 v0, v1 = self.chunks.range(c)
@@ -718,8 +731,10 @@ class Executor:
             # A cached layer whose inputs need no gradient recomputes only its
             # update, which reads no graph: its blocks stay in host memory.
             no_graph = self.cached[l] and not need_in and not layer.needs_dst
+            # It reads the graph through the aggregation's transpose only.
+            skip = Block.NOT_TRANSPOSED if self.cached[l] else ()
 
-            def fetch(i, l=l, layer=layer, tbuf=tbuf, no_graph=no_graph):
+            def fetch(i, l=l, layer=layer, tbuf=tbuf, no_graph=no_graph, skip=skip):
                 s, _, c, first, _ = plan.items[i]
                 v0, v1 = self.chunks.range(c)
                 rows = None if self.cached[l] else self._fetch_rows(l, i, s, first, tbuf)
@@ -727,7 +742,7 @@ class Executor:
                     else mv.fetch_range(buf.grad[l + 1], v0, v1, "grad")
                 dst = mv.fetch_range(buf.h[l], v0, v1, "dst") if layer.needs_dst else None
                 agg = mv.fetch_range(buf.agg[l], v0, v1, "aux") if self.stored[l] else None
-                block = self._blocks[c] if no_graph else self._fetch_block(c)
+                block = self._blocks[c] if no_graph else self._fetch_block(c, skip)
                 return rows, g_out, dst, agg, block
 
             def run(i, fetched, fetch_next, l=l, layer=layer, seed=seed, nxt=nxt, tbuf=tbuf,

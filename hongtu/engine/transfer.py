@@ -374,11 +374,19 @@ class Mover:
             out.copy_(src, non_blocking=True)
         return Ticket(out, self._ready_event(self.s_in), slots, buf)
 
-    def place(self, t: Ticket) -> None:
-        """Wait for a :meth:`fetch_rows` and put its rows into their slots (on compute)."""
+    def place(self, t: Ticket, put=None) -> bool:
+        """Wait for a :meth:`fetch_rows` (:meth:`fetch_run`) and put its rows into their
+        slots (on compute). Returns whether they came through the staging area
+        and were put now: by ``put(rows, buf, slots)`` when given, else copied.
+        Otherwise they landed in their slots directly."""
         self._wait(t)
-        if t.buf is not None:
+        if t.buf is None:
+            return False
+        if put is None:
             t.buf.index_copy_(0, t.slots, t.value)
+        else:
+            put(t.value, t.buf, t.slots)
+        return True
 
     def fetch_range(self, host: Tensor, start: int, stop: int, slot: str) -> Ticket:
         """Start copying ``host[start:stop]`` to the device; :meth:`take` gives it.
@@ -407,14 +415,14 @@ class Mover:
             out.copy_(host, non_blocking=True)
         return Ticket(None, self._ready_event(self.s_in))
 
-    def fetch_block(self, block, transpose: bool = True) -> Ticket:
+    def fetch_block(self, block, skip: tuple[str, ...] = ()) -> Ticket:
         """Start copying a chunk's :class:`~hongtu.nn.block.Block` (pinned) to the device.
 
         Its bytes count as host→device traffic (no rows). Index arrays kept as
-        int32 on the host are widened to int64 on the device. Without
-        ``transpose`` the transpose's tensors stay in host memory.
+        int32 on the host are widened to int64 on the device. The tensors named
+        in ``skip`` stay in host memory (a pass that does not read them).
         """
-        stay = () if transpose else block.TRANSPOSE
+        stay = tuple(skip)
         self.traffic.h2d_bytes += block.nbytes(skip=stay)
 
         def copy(t: Tensor) -> Tensor:

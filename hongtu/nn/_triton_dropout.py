@@ -63,6 +63,23 @@ def _dropout_kernel(x_ptr, ids_ptr, out_ptr, total, width, seed_lo, seed_hi, thr
     tl.store(out_ptr + offs, x * tl.where(keep, scale, 0.0), mask=valid)
 
 
+@triton.jit(do_not_specialize=_VARYING)
+def _dropout_rows_kernel(x_ptr, x_at_ptr, out_ptr, at_ptr, ids_ptr, total, width, seed_lo,
+                         seed_hi, threshold, scale, X_AT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < total
+    keep = _keep(ids_ptr, offs, valid, width, seed_lo, seed_hi, threshold)
+    row = offs // width
+    col = offs - row * width
+    if X_AT:
+        src = tl.load(x_at_ptr + row, mask=valid, other=0) * width + col
+    else:
+        src = offs
+    x = tl.load(x_ptr + src, mask=valid)
+    dst = tl.load(at_ptr + row, mask=valid, other=0) * width + col
+    tl.store(out_ptr + dst, x * tl.where(keep, scale, 0.0), mask=valid)
+
+
 def _words(seed: int, threshold: int) -> tuple[int, int, int]:
     """The seed's two 32-bit words and the threshold, each with bit 40 set.
 
@@ -98,3 +115,24 @@ def dropout_triton(x: torch.Tensor, ids: torch.Tensor, threshold: int, seed: int
         _dropout_kernel[grid](x, ids, out, total, width, *_words(seed, threshold), scale,
                               BLOCK=_BLOCK)
     return out
+
+
+def dropout_rows_triton(x: torch.Tensor, ids: torch.Tensor, threshold: int, seed: int,
+                        scale: float, out: torch.Tensor, at: torch.Tensor,
+                        x_at: torch.Tensor | None = None) -> None:
+    """``out[at[i]] = x[i] * keep * scale`` (``x[x_at[i]]`` with ``x_at``) for float32
+    rows, in one pass; ``out`` may be ``x`` (in place: ``x_at = at``)."""
+    n = int(ids.shape[0])
+    if n == 0 or out.shape[1] == 0:
+        return
+    if not (out.is_contiguous() and x.is_contiguous()):
+        raise ValueError("dropout_rows_triton needs contiguous rows")
+    ids = ids.to(torch.int64).contiguous()
+    at = at.to(torch.int64).contiguous()
+    width = int(out.shape[1])
+    total = n * width
+    src_at = at if x_at is None else x_at.to(torch.int64).contiguous()
+    grid = (triton.cdiv(total, _BLOCK),)
+    _dropout_rows_kernel[grid](x, src_at, out, at, ids, total, width,
+                               *_words(seed, threshold), scale, X_AT=x_at is not None,
+                               BLOCK=_BLOCK)

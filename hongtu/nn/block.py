@@ -56,6 +56,9 @@ class Block:
     edge_start: int
     #: the fields of the transpose (read for gradients only, by built-in ops)
     TRANSPOSE = ("t_indptr", "t_indices", "t_perm")
+    #: the per-edge fields that a built-in aggregation's transpose
+    #: (``ops.aggregate_transpose``) does not read
+    NOT_TRANSPOSED = ("indices", "t_perm")
     # Per-call state set by the engine: the dropout stream of this pass.
     seed: int = 0
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
@@ -74,7 +77,7 @@ class Block:
 
     @property
     def device(self) -> torch.device:
-        return self.indices.device
+        return self.indptr.device  # (every pass copies indptr; some leave others behind)
 
     def dst_ids(self, device: torch.device | None = None) -> Tensor:
         """Global ids of the destinations (a contiguous range), on ``device``
@@ -95,6 +98,16 @@ class Block:
             self._cache[key] = torch.repeat_interleave(
                 torch.arange(self.num_dst, device=self.device), counts,
                 output_size=self.num_edges)
+        return self._cache[key]
+
+    def edge_src_t(self) -> Tensor:
+        """Local source position of each edge of the transpose (its order)."""
+        key = "edge_src_t"
+        if key not in self._cache:
+            counts = self.t_indptr[1:] - self.t_indptr[:-1]
+            self._cache[key] = torch.repeat_interleave(
+                torch.arange(self.num_src, device=self.t_indptr.device), counts,
+                output_size=self.t_indices.shape[0])
         return self._cache[key]
 
     def edge_src(self) -> Tensor:

@@ -167,14 +167,17 @@ class GNN(nn.Module):
             out = layer.update(a, xd)
         return self._emit(l, self._finish(l, out), block, next_seed)
 
-    def drop_sources(self, l: int, x: Tensor, ids: Tensor, seed: int) -> Tensor:
-        """Layer ``l``'s dropout of source rows ``x`` (global ``ids``) as
-        :meth:`step_aggregate` applies it (none where the layer transforms
-        first: its rows were dropped before the weight). Rows dropped once, as
-        they arrive, may then be aggregated in place (``ops.aggregate_rows``)."""
-        if self.transforms_first(l):
-            return x
-        return self._drop(x, ids, seed)
+    def drop_sources_into(self, l: int, x: Tensor, ids: Tensor, seed: int, out: Tensor,
+                          at: Tensor, x_at: Tensor | None = None) -> None:
+        """``out[at] =`` layer ``l``'s dropout of source rows ``x`` (global ``ids``)
+        as :meth:`step_aggregate` applies it (none where the layer transforms
+        first: its rows were dropped before the weight), the rows of ``x`` read
+        at ``x_at`` when given; ``out`` may be ``x`` (in place). Rows dropped
+        once, as they arrive, may then be aggregated in place
+        (``ops.aggregate_rows``). On a GPU one kernel, no copy of the rows
+        (:func:`~hongtu.nn.ops.dropout_into`)."""
+        p = 0.0 if self.transforms_first(l) else self.p
+        ops.dropout_into(x, ids, p, seed, out, at, x_at, self.training)
 
     def step_aggregate_transpose(self, l: int, block: Block, grad_a: Tensor,
                                  seed: int) -> Tensor:

@@ -27,8 +27,9 @@ from hongtu.nn.block import Block
 
 __all__ = [
     "BUILTIN_AGGREGATIONS", "aggregate", "aggregate_rows", "aggregate_transpose",
-    "edge_weights", "spmm",
-    "gather_src", "gather_dst", "scatter_dst", "edge_softmax", "dropout", "dropout_mask",
+    "edge_weights", "fused_edge_weights", "spmm",
+    "gather_src", "gather_dst", "scatter_dst", "edge_softmax", "dropout", "dropout_into",
+    "dropout_mask",
     "fused_edge_dots", "fused_dropout",
 ]
 
@@ -116,28 +117,53 @@ def spmm(block: Block, x: Tensor, values: Tensor) -> Tensor:
     return _SpMM.apply(x, values, block)
 
 
-def edge_weights(block: Block, op: str, dtype: torch.dtype) -> Tensor:
+def edge_weights(block: Block, op: str, dtype: torch.dtype, transpose: bool = False) -> Tensor:
     r"""Per-edge weights of a built-in aggregation.
 
     ``sum``: 1; ``mean``: :math:`1/d_v`; ``gcn``: :math:`1/\sqrt{d_u d_v}` with
     :math:`d` the in-degree (self-loops included when the graph has them), as
-    PyG's ``gcn_norm``.
+    PyG's ``gcn_norm``. With ``transpose``, in the order of the block's
+    transpose (``weights[t_perm]``). Cached on the block.
     """
-    key = ("w", op, dtype)
-    if key not in block._cache:
-        dst = block.edge_dst()
-        if op == "sum":
-            w = torch.ones(block.num_edges, dtype=dtype, device=block.device)
-        elif op == "mean":
+    key = ("w", op, dtype, transpose)
+    if key in block._cache:
+        return block._cache[key]
+    if op not in BUILTIN_AGGREGATIONS:
+        raise ValueError(f"unknown aggregation '{op}'; built-ins: {BUILTIN_AGGREGATIONS}")
+    if op == "sum":
+        w = torch.ones(block.num_edges, dtype=dtype, device=block.device)
+    elif fused_edge_weights(block, dtype):
+        k = _triton("weights")
+        if transpose:  # rows: sources, columns: destinations
+            code = k.GCN if op == "gcn" else k.MEAN_OF_COL
+            w = k.edge_weights_triton(block.t_indptr, block.t_indices, block.src_in_deg,
+                                      block.dst_in_deg, code)
+        else:
+            code = k.GCN if op == "gcn" else k.MEAN_OF_ROW
+            w = k.edge_weights_triton(block.indptr, block.indices, block.dst_in_deg,
+                                      block.src_in_deg, code)
+    else:
+        # the source and the destination of every edge, in the order asked
+        # (the transpose's, from its own arrays: no t_perm, no indices)
+        if transpose:
+            src, dst = block.edge_src_t(), block.t_indices
+        else:
+            src, dst = block.indices, block.edge_dst()
+        if op == "mean":
             w = 1.0 / block.dst_in_deg.to(dtype).clamp(min=1)[dst]
-        elif op == "gcn":
+        else:
             inv_sqrt_src = block.src_in_deg.to(dtype).clamp(min=1).rsqrt()
             inv_sqrt_dst = block.dst_in_deg.to(dtype).clamp(min=1).rsqrt()
-            w = inv_sqrt_src[block.indices] * inv_sqrt_dst[dst]
-        else:
-            raise ValueError(f"unknown aggregation '{op}'; built-ins: {BUILTIN_AGGREGATIONS}")
-        block._cache[key] = w
-    return block._cache[key]
+            w = inv_sqrt_src[src] * inv_sqrt_dst[dst]
+    block._cache[key] = w
+    return w
+
+
+def fused_edge_weights(block: Block, dtype: torch.dtype) -> bool:
+    """Whether :func:`edge_weights` of ``block`` is one GPU kernel (float32 on a GPU,
+    Triton importable) instead of about a dozen tensor ops."""
+    return (block.device.type == "cuda" and dtype == torch.float32
+            and block.src_in_deg.dtype == torch.float32 and _triton("weights") is not None)
 
 
 def aggregate(block: Block, x: Tensor, op: str) -> Tensor:
@@ -159,7 +185,8 @@ def aggregate_rows(block: Block, rows: Tensor, op: str, at: Tensor | None = None
 
 def aggregate_transpose(block: Block, g: Tensor, op: str) -> Tensor:
     """The transpose of :func:`aggregate`: ``A_opᵀ @ g`` (``(num_dst,*) -> (num_src,*)``)."""
-    return _spmm_t(block, edge_weights(block, op, g.dtype), g)
+    return _csr_mm(block.t_indptr, block.t_indices,
+                   edge_weights(block, op, g.dtype, transpose=True), g, block.num_src)
 
 
 # --------------------------------------------------------------- edge helpers
@@ -314,6 +341,29 @@ def dropout(x: Tensor, ids: Tensor, p: float, seed: int, training: bool = True) 
     width = x[0].numel()
     mask = dropout_mask(ids, width, p, seed).view(x.shape)
     return (x * mask).mul_(1.0 / (1.0 - p))
+
+
+def dropout_into(x: Tensor, ids: Tensor, p: float, seed: int, out: Tensor, at: Tensor,
+                 x_at: Tensor | None = None, training: bool = True) -> None:
+    """``out[at] = dropout(x, ids, p, seed)``, the rows of ``x`` read at ``x_at`` when
+    given (``out`` may be ``x``: in place). Forward only (no autograd).
+
+    On a GPU (float32, Triton present) one kernel reads, drops and writes the
+    rows where they lie; otherwise the rows are gathered, dropped and scattered.
+    """
+    if ids.shape[0] == 0:
+        return
+    if not training or p <= 0.0:
+        if not (x is out and x_at is at):
+            out.index_copy_(0, at, x if x_at is None else x.index_select(0, x_at))
+        return
+    if (out.is_cuda and out.dtype == x.dtype == torch.float32 and _triton() is not None
+            and out.dim() == x.dim() == 2 and out.is_contiguous() and x.is_contiguous()):
+        _triton().dropout_rows_triton(x, ids, _threshold(p), seed, 1.0 / (1.0 - p), out, at,
+                                      x_at)
+        return
+    rows = x if x_at is None else x.index_select(0, x_at)
+    out.index_copy_(0, at, dropout(rows, ids, p, seed, training))
 
 
 class _FusedDropout(torch.autograd.Function):

@@ -502,14 +502,17 @@ def test_cuda_step_equals_full_graph(layer, checkpoint, mode):
         assert (moved.h2d_rows, moved.d2h_rows) == (expect.h2d_rows, expect.d2h_rows)
     if mode == "copied-blocks":
         # Blocks travel for every pass but the first layer's backward when that
-        # recomputes only a cached update (no graph: its inputs get no gradient),
-        # and forward passes leave the transpose behind unless the layer reads it.
+        # recomputes only a cached update (no graph: its inputs get no gradient);
+        # forward passes leave the transpose behind unless the layer reads it,
+        # and a cached layer's backward the edges its transpose does not read.
         own = {it[2] for it in ex.plan.items}
         full = sum(ex._blocks[c].nbytes() for c in own)
         lean = sum(ex._blocks[c].nbytes(skip=Block.TRANSPOSE) for c in own)
-        assert lean < full
+        grad = sum(ex._blocks[c].nbytes(skip=Block.NOT_TRANSPOSED) for c in own)
+        assert lean < full and grad < full
         forward = sum(full if layer.reads_transpose else lean for layer in model.layers)
-        backward = model.num_layers - (ex.cached[0] and not model.layers[0].needs_dst)
-        assert moved.h2d_bytes - expect.h2d_bytes == forward + full * backward
+        backward = sum(grad if ex.cached[l] else full for l, layer in enumerate(model.layers)
+                       if not (l == 0 and ex.cached[0] and not layer.needs_dst))
+        assert moved.h2d_bytes - expect.h2d_bytes == forward + backward
     ref_loss, ref_grads = reference_step(model, g)
     assert_matches(model, res.loss, ref_loss, ref_grads)

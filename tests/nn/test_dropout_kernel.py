@@ -72,11 +72,17 @@ def test_new_seeds_compile_no_new_kernels():
 
     ids = torch.arange(1000, device="cuda")
     x = torch.randn(1000, 48, device="cuda")
-    K.dropout_triton(x, ids, int(0.5 * 2**32), 1, 2.0)
-    K.dropout_mask_triton(ids, 48, int(0.5 * 2**32), 1)
-    before = _compiled_variants(K._dropout_kernel), _compiled_variants(K._mask_kernel)
-    for seed in (0, 16, 2**31 + 5, 2**32 + 16, 2**63 - 1, 12345678901234):
-        K.dropout_triton(x, ids, int(0.5 * 2**32), seed, 2.0)
-        K.dropout_mask_triton(ids, 48, int(0.5 * 2**32), seed)
-    after = _compiled_variants(K._dropout_kernel), _compiled_variants(K._mask_kernel)
-    assert after == before
+    kernels = (K._dropout_kernel, K._mask_kernel, K._dropout_rows_kernel)
+
+    def run(seed, n=1000):
+        K.dropout_triton(x[:n], ids[:n], int(0.5 * 2**32), seed, 2.0)
+        K.dropout_mask_triton(ids[:n], 48, int(0.5 * 2**32), seed)
+        K.dropout_rows_triton(x[:n], ids[:n], int(0.5 * 2**32), seed, 2.0, x, ids[:n],
+                              x_at=ids[:n])
+
+    run(1)
+    before = [_compiled_variants(k) for k in kernels]
+    for seed, n in zip((0, 16, 2**31 + 5, 2**32 + 16, 2**63 - 1, 12345678901234),
+                       (1000, 999, 17, 512, 1, 640)):  # (a step brings any number of rows)
+        run(seed, n)
+    assert [_compiled_variants(k) for k in kernels] == before

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -199,6 +201,80 @@ def test_mean_of_isolated_destination_is_zero():
     assert torch.equal(ops.aggregate(block, x, "mean"), torch.zeros(1, 3, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("op", ops.BUILTIN_AGGREGATIONS)
+def test_transposed_weights_are_the_weights_in_transpose_order(block, op):
+    w = ops.edge_weights(block, op, torch.float64)
+    wt = ops.edge_weights(block, op, torch.float64, transpose=True)
+    assert torch.equal(wt, w[block.t_perm])
+    assert ops.edge_weights(block, op, torch.float64, transpose=True) is wt  # cached
+
+
+@pytest.mark.parametrize("op", ops.BUILTIN_AGGREGATIONS)
+def test_aggregate_transpose_reads_no_forward_edges(block, op):
+    """A cached layer's backward leaves ``Block.NOT_TRANSPOSED`` in host memory: the
+    transposed aggregation must give the same result without them."""
+    torch.manual_seed(7)
+    g = torch.randn(block.num_dst, 3, dtype=torch.float64)
+    expect = ops.aggregate_transpose(block, g, op)
+    bad = {f: torch.full_like(getattr(block, f), -(2**40)) for f in Block.NOT_TRANSPOSED}
+    stripped = dataclasses.replace(block, **bad, _cache={})
+    assert torch.equal(ops.aggregate_transpose(stripped, g, op), expect)
+
+
+def _float32_blocks(parts: int = 3, seed: int = 5) -> list[Block]:
+    """Float32 blocks of a bigger random graph (power-law-ish in-degrees, isolated
+    vertices, repeated sources) for the GPU kernels' checks."""
+    rng = np.random.default_rng(seed)
+    n = 5000
+    deg = np.where(rng.random(n) < 0.2, 0, rng.zipf(1.8, n).clip(1, 700))
+    indptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(deg, out=indptr[1:])
+    indices = rng.integers(0, n, indptr[-1])
+    cuts = np.linspace(0, n, parts + 1).astype(int)
+    return [build_block(indptr, indices, deg.astype(np.float64), a, b)
+            for a, b in zip(cuts[:-1], cuts[1:])]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["gcn", "mean"])
+def test_fused_edge_weights_match_the_tensor_ops(op, monkeypatch):
+    """One Triton launch per block gives the GPU tensor ops' weights bit for bit, in
+    CSR order and in the transpose's; a block with no edges and one with no
+    destinations too."""
+    pytest.importorskip("triton")
+    indptr, indices, deg = CSC
+    blocks = _float32_blocks() + [build_block(indptr, indices, deg, 5, 5),
+                                 build_block(indptr, indices, deg, 2, 3)]
+    fused = [b.to("cuda") for b in blocks]
+    for d in fused:
+        assert ops.fused_edge_weights(d, torch.float32)
+        ops.edge_weights(d, op, torch.float32)
+        ops.edge_weights(d, op, torch.float32, transpose=True)
+    monkeypatch.setattr(ops, "fused_edge_weights", lambda block, dtype: False)
+    for b, d in zip(blocks, fused):
+        ref = ops.edge_weights(b.to("cuda"), op, torch.float32)
+        assert torch.equal(d._cache[("w", op, torch.float32, False)], ref)
+        assert torch.equal(d._cache[("w", op, torch.float32, True)], ref[d.t_perm])
+
+
+@pytest.mark.gpu
+def test_fused_edge_weights_compile_once_for_any_block():
+    """Blocks differ in edges and rows every chunk: no kernel compiled per size."""
+    pytest.importorskip("triton")
+    from hongtu.nn import _triton_weights as K
+
+    blocks = [b.to("cuda") for b in _float32_blocks(parts=5)]
+    ops.edge_weights(blocks[0], "gcn", torch.float32)
+    caches = getattr(K._weights_kernel, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton keeps no inspectable kernel cache")
+    before = sum(len(c[0]) for c in caches.values())
+    for b in blocks[1:]:
+        ops.edge_weights(b, "gcn", torch.float32)
+        ops.edge_weights(b, "gcn", torch.float32, transpose=True)
+    assert sum(len(c[0]) for c in caches.values()) == before
+
+
 def test_unknown_aggregation_is_rejected():
     with pytest.raises(ValueError, match="built-ins"):
         ops.aggregate(BLOCKS[0][1], torch.zeros(N, 1, dtype=torch.float64), "max")
@@ -318,6 +394,26 @@ def test_dropout_multidim_rows():
     out = ops.dropout(x, ids, 0.3, seed=5)
     mask = ops.dropout_mask(ids, 6, 0.3, seed=5).view(300, 2, 3)
     torch.testing.assert_close(out, mask.float() / 0.7)
+
+
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("p", [0.0, 0.4])
+@pytest.mark.parametrize("training", [True, False])
+def test_dropout_into_puts_dropped_rows_at_their_slots(dev, p, training):
+    """``out[at] = dropout(x)`` bit for bit, from rows in order (a staging area) and
+    in place (rows read at their slots); on a GPU (float32) one Triton kernel."""
+    torch.manual_seed(6)
+    i, a = torch.randperm(10_000)[:300].to(dev), torch.randperm(400)[:300].to(dev)
+    x = torch.randn(300, 37, device=dev)
+    expect = torch.zeros(400, 37, device=dev)
+    expect[a] = ops.dropout(x, i, p, 9, training)
+    out = torch.zeros(400, 37, device=dev)
+    ops.dropout_into(x, i, p, 9, out, a, training=training)
+    assert torch.equal(out.view(torch.int32), expect.view(torch.int32))
+    table = torch.zeros(400, 37, device=dev)
+    table[a] = x
+    ops.dropout_into(table, i, p, 9, table, a, x_at=a, training=training)
+    assert torch.equal(table.view(torch.int32), expect.view(torch.int32))
 
 
 def numpy_cut(indptr, indices, a, b, src_ids):
