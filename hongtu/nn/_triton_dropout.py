@@ -54,13 +54,19 @@ def _mask_kernel(ids_ptr, out_ptr, total, width, seed_lo, seed_hi, threshold,
 
 
 @triton.jit(do_not_specialize=_VARYING)
-def _dropout_kernel(x_ptr, ids_ptr, out_ptr, total, width, seed_lo, seed_hi, threshold,
-                    scale, BLOCK: tl.constexpr):
+def _dropout_kernel(x_ptr, gate_ptr, ids_ptr, out_ptr, total, width, seed_lo, seed_hi,
+                    threshold, scale, MODE: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < total
     keep = _keep(ids_ptr, offs, valid, width, seed_lo, seed_hi, threshold)
     x = tl.load(x_ptr + offs, mask=valid)
-    tl.store(out_ptr + offs, x * tl.where(keep, scale, 0.0), mask=valid)
+    if MODE == 1:  # relu first, as torch's: max(x, 0) keeping NaN and -0.0
+        x = tl.where(x < 0, 0.0, x)
+    y = x * tl.where(keep, scale, 0.0)
+    if MODE == 2:  # relu's gradient after dropout's, as torch's: 0 where relu(gate) <= 0
+        gate = tl.load(gate_ptr + offs, mask=valid, other=0.0)
+        y = tl.where(gate <= 0, 0.0, y)
+    tl.store(out_ptr + offs, y, mask=valid)
 
 
 @triton.jit(do_not_specialize=_VARYING)
@@ -103,17 +109,22 @@ def dropout_mask_triton(ids: torch.Tensor, width: int, threshold: int, seed: int
 
 
 def dropout_triton(x: torch.Tensor, ids: torch.Tensor, threshold: int, seed: int,
-                   scale: float) -> torch.Tensor:
-    """``x * keep * scale`` for a float32 ``x`` of ``len(ids)`` rows, in one pass."""
+                   scale: float, relu: bool = False,
+                   gate: torch.Tensor | None = None) -> torch.Tensor:
+    """``x * keep * scale`` for a float32 ``x`` of ``len(ids)`` rows, in one pass;
+    with ``relu``, of ``relu(x)``; with ``gate``, zero where ``relu(gate) <= 0``
+    (the gradient of ``dropout(relu(gate))`` given ``x``, the output's)."""
+    mode = 1 if relu else 0 if gate is None else 2
     ids = ids.to(torch.int64).contiguous()
     x = x.contiguous()
+    gate = x if gate is None else gate.contiguous()
     out = torch.empty_like(x)
     total = x.numel()
     if total:
         width = total // ids.shape[0]
         grid = (triton.cdiv(total, _BLOCK),)
-        _dropout_kernel[grid](x, ids, out, total, width, *_words(seed, threshold), scale,
-                              BLOCK=_BLOCK)
+        _dropout_kernel[grid](x, gate, ids, out, total, width, *_words(seed, threshold), scale,
+                              MODE=mode, BLOCK=_BLOCK)
     return out
 
 

@@ -116,18 +116,21 @@ class GNN(nn.Module):
     def _drop(self, x: Tensor, ids: Tensor, seed: int) -> Tensor:
         return ops.dropout(x, ids, self.p, seed, self.training)
 
-    def _finish(self, l: int, out: Tensor) -> Tensor:
-        return out if l == self.num_layers - 1 else self._act(out)
-
     def _emit(self, l: int, out: Tensor, block: Block, next_seed: int | None) -> Tensor:
-        """Layer ``l``'s output rows as the engine keeps them: ``h^{l+1}[V]``, or
-        ``z^{l+1}[V] = W_{l+1} drop(h^{l+1}[V])`` when layer ``l+1`` transforms first."""
+        """Layer ``l``'s output rows as the engine keeps them, from its update
+        ``out``: ``h^{l+1}[V] = σ(out)`` (``out`` on the last layer), or
+        ``z^{l+1}[V] = W_{l+1} drop(σ(out))`` when layer ``l+1`` transforms first
+        (ReLU and dropout then one kernel each way on a GPU)."""
         if not self.transforms_first(l + 1):
-            return out
+            return out if l == self.num_layers - 1 else self._act(out)
         if next_seed is None:
             raise ValueError(f"layer {l + 1} transforms first: pass next_seed (its dropout seed)")
         ids = block.dst_ids(out.device)  # the block may wait in host memory
-        return self.layers[l + 1].transform(self._drop(out, ids, next_seed))
+        if self.activation == "relu":
+            h = ops.relu_dropout(out, ids, self.p, next_seed, self.training)
+        else:
+            h = self._drop(self._act(out), ids, next_seed)
+        return self.layers[l + 1].transform(h)
 
     # ---------------------------------------------------------- engine steps
     def step_forward(self, l: int, block: Block, x_src: Tensor, x_dst: Tensor | None,
@@ -146,7 +149,7 @@ class GNN(nn.Module):
             xs = self._drop(x_src, block.src_ids, seed)
             xd = self._drop(x_dst, block.dst_ids(), seed) if x_dst is not None else None
             out = layer(block, xs, xd)
-        return self._emit(l, self._finish(l, out), block, next_seed)
+        return self._emit(l, out, block, next_seed)
 
     def step_aggregate(self, l: int, block: Block, x_src: Tensor, seed: int) -> Tensor:
         """Cacheable layers: the aggregate ``a^l[V] = A drop(h^l[N])`` (``A z^l[N]``)."""
@@ -165,7 +168,7 @@ class GNN(nn.Module):
         else:
             xd = self._drop(x_dst, block.dst_ids(), seed) if x_dst is not None else None
             out = layer.update(a, xd)
-        return self._emit(l, self._finish(l, out), block, next_seed)
+        return self._emit(l, out, block, next_seed)
 
     def drop_sources_into(self, l: int, x: Tensor, ids: Tensor, seed: int, out: Tensor,
                           at: Tensor, x_at: Tensor | None = None) -> None:

@@ -29,7 +29,7 @@ __all__ = [
     "BUILTIN_AGGREGATIONS", "aggregate", "aggregate_rows", "aggregate_transpose",
     "edge_weights", "fused_edge_weights", "spmm",
     "gather_src", "gather_dst", "scatter_dst", "edge_softmax", "dropout", "dropout_into",
-    "dropout_mask",
+    "dropout_mask", "relu_dropout",
     "fused_edge_dots", "fused_dropout",
 ]
 
@@ -364,6 +364,28 @@ def dropout_into(x: Tensor, ids: Tensor, p: float, seed: int, out: Tensor, at: T
         return
     rows = x if x_at is None else x.index_select(0, x_at)
     out.index_copy_(0, at, dropout(rows, ids, p, seed, training))
+
+
+def relu_dropout(x: Tensor, ids: Tensor, p: float, seed: int, training: bool = True) -> Tensor:
+    """``dropout(relu(x), ids, p, seed)``; on a GPU (float32, Triton present) one
+    kernel each way, the same values and gradients bit for bit."""
+    if (training and p > 0.0 and x.numel() and x.is_cuda and x.dtype == torch.float32
+            and _triton() is not None):
+        return _FusedReluDropout.apply(x, ids, p, seed)
+    return dropout(torch.relu(x), ids, p, seed, training)
+
+
+class _FusedReluDropout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, ids: Tensor, p: float, seed: int) -> Tensor:
+        ctx.ids, ctx.args = ids, (_threshold(p), seed, 1.0 / (1.0 - p))
+        ctx.save_for_backward(x)
+        return _triton().dropout_triton(x, ids, *ctx.args, relu=True)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        (x,) = ctx.saved_tensors
+        return _triton().dropout_triton(g, ctx.ids, *ctx.args, gate=x), None, None, None
 
 
 class _FusedDropout(torch.autograd.Function):

@@ -86,3 +86,28 @@ def test_new_seeds_compile_no_new_kernels():
                        (1000, 999, 17, 512, 1, 640)):  # (a step brings any number of rows)
         run(seed, n)
     assert [_compiled_variants(k) for k in kernels] == before
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_fused_relu_dropout_matches_relu_then_dropout(p):
+    """ReLU and dropout as one kernel each way: the values of ``dropout(relu(x))``
+    and of its gradient, zeros, NaN and infinities included."""
+    pytest.importorskip("triton")
+    ids = torch.randint(0, 2**34, (3001,), dtype=torch.int64).cuda()
+    x0 = torch.randn(3001, 37, device="cuda")
+    x0[0, :6] = torch.tensor([float("nan"), float("inf"), -0.0, 0.0, -float("inf"), -1e-30])
+    x = x0.clone().requires_grad_(True)
+    y = ops.relu_dropout(x, ids, p, 77)
+    assert "Fused" in type(y.grad_fn).__name__
+    ref_x = x0.clone().requires_grad_(True)
+    mask = ops._dropout_mask_torch(ids, 37, int(p * 2**32), 77)
+    ref = (torch.relu(ref_x) * mask).mul(1.0 / (1.0 - p))
+    torch.testing.assert_close(y, ref, rtol=0, atol=0, equal_nan=True)
+    g = torch.randn_like(y)
+    y.backward(g)
+    ref.backward(g)
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=0, atol=0, equal_nan=True)
+    # off, or without Triton's conditions: plain relu then dropout
+    torch.testing.assert_close(ops.relu_dropout(x0, ids, p, 77, training=False),
+                               torch.relu(x0), rtol=0, atol=0, equal_nan=True)
