@@ -530,7 +530,7 @@ class Executor:
             mv.place(rows)
             return
         ids, slots = self.plan.load(s)
-        fused = tbuf.is_cuda and tbuf.dtype == torch.float32 and ops.fused_dropout()
+        fused = ops.fused_dropout(tbuf)
         with mv.timing("time_compute_s"):
             def put(value, buf, at):
                 model.drop_sources_into(0, value, ids, seed, buf, at)

@@ -94,9 +94,12 @@ class _SpMM(torch.autograd.Function):
         return gx, gv, None
 
 
-def fused_dropout() -> bool:
+def fused_dropout(x: Tensor | None = None) -> bool:
     """Whether :func:`dropout` on a GPU (float32) is one Triton kernel each way
-    (its output is the only tensor it makes: no mask, no masked temporary)."""
+    (its output is the only tensor it makes: no mask, no masked temporary);
+    with ``x``, whether dropout of ``x`` is (float32 on a GPU)."""
+    if x is not None and not (x.is_cuda and x.dtype == torch.float32):
+        return False
     return _triton() is not None
 
 
@@ -336,8 +339,8 @@ def dropout(x: Tensor, ids: Tensor, p: float, seed: int, training: bool = True) 
     """
     if not training or p <= 0.0 or x.numel() == 0:
         return x
-    if x.is_cuda and x.dtype == torch.float32 and _triton() is not None:
-        return _FusedDropout.apply(x, ids, p, seed)
+    if fused_dropout(x):
+        return _FusedDropout.apply(x, ids, p, seed, False)
     width = x[0].numel()
     mask = dropout_mask(ids, width, p, seed).view(x.shape)
     return (x * mask).mul_(1.0 / (1.0 - p))
@@ -357,8 +360,8 @@ def dropout_into(x: Tensor, ids: Tensor, p: float, seed: int, out: Tensor, at: T
         if not (x is out and x_at is at):
             out.index_copy_(0, at, x if x_at is None else x.index_select(0, x_at))
         return
-    if (out.is_cuda and out.dtype == x.dtype == torch.float32 and _triton() is not None
-            and out.dim() == x.dim() == 2 and out.is_contiguous() and x.is_contiguous()):
+    if (fused_dropout(out) and x.dtype == out.dtype and out.dim() == x.dim() == 2
+            and out.is_contiguous() and x.is_contiguous()):
         _triton().dropout_rows_triton(x, ids, _threshold(p), seed, 1.0 / (1.0 - p), out, at,
                                       x_at)
         return
@@ -369,34 +372,23 @@ def dropout_into(x: Tensor, ids: Tensor, p: float, seed: int, out: Tensor, at: T
 def relu_dropout(x: Tensor, ids: Tensor, p: float, seed: int, training: bool = True) -> Tensor:
     """``dropout(relu(x), ids, p, seed)``; on a GPU (float32, Triton present) one
     kernel each way, the same values and gradients bit for bit."""
-    if (training and p > 0.0 and x.numel() and x.is_cuda and x.dtype == torch.float32
-            and _triton() is not None):
-        return _FusedReluDropout.apply(x, ids, p, seed)
+    if training and p > 0.0 and x.numel() and fused_dropout(x):
+        return _FusedDropout.apply(x, ids, p, seed, True)
     return dropout(torch.relu(x), ids, p, seed, training)
 
 
-class _FusedReluDropout(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, ids: Tensor, p: float, seed: int) -> Tensor:
-        ctx.ids, ctx.args = ids, (_threshold(p), seed, 1.0 / (1.0 - p))
-        ctx.save_for_backward(x)
-        return _triton().dropout_triton(x, ids, *ctx.args, relu=True)
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        (x,) = ctx.saved_tensors
-        return _triton().dropout_triton(g, ctx.ids, *ctx.args, gate=x), None, None, None
-
-
 class _FusedDropout(torch.autograd.Function):
-    """:func:`dropout` as one GPU kernel each way; the mask is hashed again in
-    backward instead of being kept."""
+    """:func:`dropout` (of ``relu(x)`` with ``relu``) as one GPU kernel each way;
+    the mask is hashed again in backward instead of being kept."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, ids: Tensor, p: float, seed: int) -> Tensor:
-        ctx.ids, ctx.args = ids, (_threshold(p), seed, 1.0 / (1.0 - p))
-        return _triton().dropout_triton(x, ids, *ctx.args)
+    def forward(ctx, x: Tensor, ids: Tensor, p: float, seed: int, relu: bool) -> Tensor:
+        ctx.ids, ctx.args, ctx.relu = ids, (_threshold(p), seed, 1.0 / (1.0 - p)), relu
+        if relu:
+            ctx.save_for_backward(x)  # relu's gradient gate
+        return _triton().dropout_triton(x, ids, *ctx.args, relu=relu)
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        return _triton().dropout_triton(g, ctx.ids, *ctx.args), None, None, None
+        gate = ctx.saved_tensors[0] if ctx.relu else None
+        return _triton().dropout_triton(g, ctx.ids, *ctx.args, gate=gate), None, None, None, None
