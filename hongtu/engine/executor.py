@@ -30,6 +30,7 @@ they are exactly the full-graph gradients; the caller takes the optimizer step.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numba
@@ -62,6 +63,17 @@ class StepResult:
     def accuracy(self, split: str) -> float:
         t = self.total.get(split, 0) if self.total else 0
         return self.correct[split] / t if t else float("nan")
+
+
+@functools.cache
+def _loss_kernel():
+    """The output kernel (:mod:`hongtu.engine._triton_loss`) when Triton is
+    importable (GPU machines), else ``None``."""
+    try:
+        from hongtu.engine import _triton_loss
+    except ImportError:
+        return None
+    return _triton_loss
 
 
 def _narrow(t: Tensor) -> Tensor:
@@ -600,19 +612,20 @@ class Executor:
                         else model.step_forward(l, block, self._sources(l, q, block, tbuf),
                                                 x_dst, seed, nxt)
                     a = a if self.stored[l] and train else None  # stored for backward
-                    grad = self._output(out, v0, v1, train, acc) if l == L - 1 else None
+                    kept = train and l == L - 1 and self._kept[-1]  # ∇h^L: where it is kept
+                    grad = self._output(out, v0, v1, train, acc,
+                                        self._grad_rows(L)[v0:v1] if kept else None) \
+                        if l == L - 1 else None
                 if a is not None:
                     mv.store_range(buf.agg[l], v0, a)
                 if l == 0 and keep:
                     self._whole_rows(1)[v0:v1].copy_(out)
                 elif l < L - 1:
                     mv.store_range(buf.h[l + 1], v0, out)
-                elif train and self._kept[-1]:
-                    self._grad_rows(L)[v0:v1].copy_(grad)
-                elif train:
-                    mv.store_range(buf.grad[-1], v0, grad)
-                else:
+                elif not train:
                     mv.store_range(buf.h[-1], v0, out)
+                elif not kept:  # (kept: written where it stays)
+                    mv.store_range(buf.grad[-1], v0, grad)
                 if progress is not None:
                     progress(1)
 
@@ -678,26 +691,24 @@ class Executor:
         for i, k in enumerate(keys):
             res.correct[k], res.total[k] = int(v[1 + i]), int(v[1 + len(keys) + i])
 
-    def _output(self, logits: Tensor, v0: int, v1: int, train: bool,
-                acc: Tensor) -> Tensor | None:
+    def _output(self, logits: Tensor, v0: int, v1: int, train: bool, acc: Tensor,
+                into: Tensor | None = None) -> Tensor | None:
         """Count correct predictions into ``acc``; in training add the chunk's loss and
-        return ``∇h^L`` of its rows. Device-side only: nothing waits for the GPU."""
-        y = self.labels[v0:v1]
-        hit = (logits.argmax(dim=-1) == y).unsqueeze(1)
-        acc[1:4] += (hit & self._splits[v0:v1]).sum(0)  # (split sizes: once per pass)
-        if not train:
-            return None
-        # Cross-entropy over the train rows, normalised by the whole graph's
-        # train count, and its gradient (softmax - onehot) / count; rows outside
-        # the train split contribute exactly zero.
-        m = self._splits[v0:v1, :1]
-        z = logits if logits.dtype == torch.float64 else logits.float()
-        yy = self._label_cols[v0:v1]
-        logp = torch.log_softmax(z, dim=1)
-        acc[0] -= torch.where(m, logp.gather(1, yy), 0.0).sum().to(acc.dtype) / self.num_train
-        grad = logp.exp_()
-        grad.scatter_add_(1, yy, torch.full_like(yy, -1, dtype=grad.dtype))
-        return torch.where(m, grad.div_(self.num_train), 0.0).to(logits.dtype)
+        return ``∇h^L`` of its rows (written into ``into`` when given). Device-side
+        only: nothing waits for the GPU. On a GPU (float32) one kernel."""
+        kernel = _loss_kernel() if logits.is_cuda and logits.dtype == torch.float32 \
+            and logits.stride(1) == 1 else None
+        if kernel is not None and logits.shape[1] <= kernel.MAX_CLASSES:
+            grad = (into if into is not None else torch.empty_like(logits)) if train else None
+            kernel.output_triton(logits, self.labels[v0:v1], self._label_cols[v0:v1],
+                                 self._splits[v0:v1], acc, self.num_train, grad)
+            return grad
+        grad = _output_torch(logits, self.labels[v0:v1], self._label_cols[v0:v1],
+                             self._splits[v0:v1], acc, self.num_train, train)
+        if into is None or grad is None:
+            return grad
+        into.copy_(grad)
+        return into
 
     # ------------------------------------------------------------ backward
     def backward(self, epoch: int, progress=None) -> None:
@@ -733,6 +744,11 @@ class Executor:
             no_graph = self.cached[l] and not need_in and not layer.needs_dst
             # It reads the graph through the aggregation's transpose only.
             skip = Block.NOT_TRANSPOSED if self.cached[l] else ()
+            # A cached layer that stores no aggregate outputs finish(a), which
+            # adds one row (the bias): ∇a is ∇h^{l+1}, and finish's parameters
+            # take their gradient once, from its column sums over the pass.
+            gsum = None if self.stored[l] or not self.cached[l] else torch.zeros(
+                layer.out_width, dtype=buf.h[l].dtype, device=self.device)
 
             def fetch(i, l=l, layer=layer, tbuf=tbuf, no_graph=no_graph, skip=skip):
                 s, _, c, first, _ = plan.items[i]
@@ -746,7 +762,7 @@ class Executor:
                 return rows, g_out, dst, agg, block
 
             def run(i, fetched, fetch_next, l=l, layer=layer, seed=seed, nxt=nxt, tbuf=tbuf,
-                    gbuf=gbuf, need_in=need_in, write=write):
+                    gbuf=gbuf, need_in=need_in, write=write, gsum=gsum):
                 s, q, c, first, last = plan.items[i]
                 rows = fetched[0]
                 if rows is not None:
@@ -756,7 +772,8 @@ class Executor:
                     gbuf.index_fill_(0, plan.load(s)[1], 0)  # rows entering: no gradient
                     gbuf[plan.plan.num_slots:].zero_()  # and so does the receive area
                 fetch_next()
-                self._backward_chunk(l, layer, q, c, fetched, tbuf, gbuf, need_in, seed, nxt)
+                self._backward_chunk(l, layer, q, c, fetched, tbuf, gbuf, need_in, seed, nxt,
+                                     gsum)
                 if progress is not None:
                     progress(1)
                 if last and need_in and not self._direct and not self._whole[l]:
@@ -770,6 +787,9 @@ class Executor:
                     mv.flush_rows(buf.grad[l], ids, slots, gbuf, ids_dev=ids_dev)
 
             self._run_pass(fetch, run)
+            if gsum is not None:
+                with mv.timing("time_compute_s"):
+                    model.finish_backward(l, gsum)
             if need_in and self._whole[l] and not self._kept[l]:
                 mv.store_range(buf.grad[l], 0, self._grad_rows(l))
                 mv.join()  # the next pass reuses that memory
@@ -778,17 +798,22 @@ class Executor:
             self.comm.all_reduce_grads(self.model.parameters())
 
     def _backward_chunk(self, l: int, layer, q: int, c: int, fetched, tbuf: Tensor,
-                        gbuf: Tensor, need_in: bool, seed: int, nxt: int) -> None:
+                        gbuf: Tensor, need_in: bool, seed: int, nxt: int,
+                        gsum: Tensor | None) -> None:
         model, buf, mv = self.model, self.buf, self.mover
         _, g_out, dst, agg, block = fetched
         block = self._take_block(block)
         v0, _ = self.chunks.range(c)
         g_out = mv.take(g_out)
+        if gsum is not None:  # output finish(a), finish adds a row: no autograd
+            with mv.timing("time_compute_s"):
+                gsum.add_(g_out.sum(0))
+                if need_in:
+                    g = model.step_aggregate_transpose(l, block, g_out, seed)
+                    self._add_sources(l, q, block, gbuf, g)
+            return
         x_dst = mv.take(dst).detach().requires_grad_(need_in) if dst is not None else None
-        # (A cached layer that stores no aggregate: finish only adds, so any a
-        # gives the same gradients; zeros.)
-        a = None if not self.cached[l] else torch.zeros_like(g_out) if agg is None \
-            else mv.take(agg)
+        a = mv.take(agg) if self.cached[l] else None
         with mv.timing("time_compute_s"), torch.enable_grad():
             if a is not None:
                 a = a.detach().requires_grad_(need_in)
@@ -827,6 +852,26 @@ class Executor:
 
 
 _SPLITS = ("train", "val", "test")
+
+
+def _output_torch(logits: Tensor, y: Tensor, cols: Tensor, splits: Tensor, acc: Tensor,
+                  num_train: int, train: bool) -> Tensor | None:
+    """:meth:`Executor._output` in torch ops (CPU, non-float32, very many classes):
+    ``cols`` ``(n, 1)`` the labels clamped to the classes, ``splits`` ``(n, 3)``."""
+    hit = (logits.argmax(dim=-1) == y).unsqueeze(1)
+    acc[1:4] += (hit & splits).sum(0)  # (split sizes: once per pass)
+    if not train:
+        return None
+    # Cross-entropy over the train rows, normalised by the whole graph's
+    # train count, and its gradient (softmax - onehot) / count; rows outside
+    # the train split contribute exactly zero.
+    m = splits[:, :1]
+    z = logits if logits.dtype == torch.float64 else logits.float()
+    logp = torch.log_softmax(z, dim=1)
+    acc[0] -= torch.where(m, logp.gather(1, cols), 0.0).sum().to(acc.dtype) / num_train
+    grad = logp.exp_()
+    grad.scatter_add_(1, cols, torch.full_like(cols, -1, dtype=grad.dtype))
+    return torch.where(m, grad.div_(num_train), 0.0).to(logits.dtype)
 
 
 def _backward(out: Tensor, grad: Tensor) -> None:

@@ -71,9 +71,11 @@ class GNNLayer(nn.Module):
     #: core, a layer's forward pass copies its blocks without the transpose when
     #: the layer does not read it.
     forward_reads_transpose: bool | None = None
-    #: whether :meth:`finish` only adds to its input (a bias), so that its
-    #: gradient does not read the input; counts only where set by the class
-    #: that defines :meth:`finish` (the default, the identity, needs none)
+    #: whether :meth:`finish` only adds one row, the same to every row of its
+    #: input (a bias), so that its gradient does not read the input and its
+    #: parameters' gradient is that of one row for the column sums of the
+    #: output's gradient; counts only where set by the class that defines
+    #: :meth:`finish` (the default, the identity, needs none)
     finish_adds_only: bool = False
 
     def __init__(self, in_channels: int, out_channels: int) -> None:

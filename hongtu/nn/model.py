@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Callable
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -181,6 +182,16 @@ class GNN(nn.Module):
         (:func:`~hongtu.nn.ops.dropout_into`)."""
         p = 0.0 if self.transforms_first(l) else self.p
         ops.dropout_into(x, ids, p, seed, out, at, x_at, self.training)
+
+    def finish_backward(self, l: int, grad_sum: Tensor) -> None:
+        """Parameter gradients of layer ``l``'s :meth:`~GNNLayer.finish` where it
+        adds one row to every row (``finish_adds_only``, e.g. the bias), from
+        ``grad_sum``, the column sums of its output's gradient over all rows:
+        the gradient of ``finish`` of one row of zeros for that sum."""
+        with torch.enable_grad():
+            out = self.layers[l].finish(grad_sum.new_zeros(1, grad_sum.shape[0]))
+            if out.requires_grad:
+                out.backward(grad_sum.unsqueeze(0))
 
     def step_aggregate_transpose(self, l: int, block: Block, grad_a: Tensor,
                                  seed: int) -> Tensor:
