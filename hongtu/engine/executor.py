@@ -43,8 +43,8 @@ from hongtu.engine.budget import row_memory, slot_widths, whole_layer_needs
 from hongtu.engine.buffers import HostBuffers, available_host_memory
 from hongtu.engine.chunks import ChunkSet
 from hongtu.engine.comm import Comm
-from hongtu.engine.pinned import pinned_copies, pinned_tensor
-from hongtu.engine.transfer import Mover, Ticket, add_rows
+from hongtu.engine.pinned import pinned_tensor
+from hongtu.engine.transfer import Mover, Ticket, add_rows, pin_blocks
 from hongtu.nn import ops
 from hongtu.nn.block import Block
 from hongtu.nn.model import GNN, layer_seed
@@ -439,17 +439,18 @@ class Executor:
         else:
             # One pinned slab for all of them (copied to the device batch by batch),
             # index arrays as int32 where they fit: half the bytes on the link.
-            own = [b for b in chunks.blocks if b is not None]
-            flat = pinned_copies([_narrow(t) for b in own for t in b.tensors()])
-            pinned, k = [], 0
-            for b in chunks.blocks:
-                if b is not None:
-                    n = len(b.tensors())
-                    b = b.with_tensors(flat[k:k + n])
-                    k += n
-                pinned.append(b)
-            self._blocks = pinned
+            self._blocks = pin_blocks(chunks.blocks, _narrow)
         self._copy_blocks = device.type != "cpu" and not resident_blocks
+        # The next forward's first rows (step 0 of layer 0, in load order: one
+        # run into slots 0..n-1) travel during the first layer's backward pass,
+        # a piece beside each of its batches, where the link has room: backward
+        # reads none of the transition buffer's rows then (a cached first
+        # layer), and the inputs do not change between epochs. The forward pass
+        # then starts computing at once instead of waiting for its largest load.
+        self._prefetch = (self.mover.overlap and self._first_in_slots
+                          and self._ordered is not None and self._first_in_place
+                          and not self._overlaps_grads(int(plan.load_ptr[1]) * widths[0]))
+        self._ahead = None  # (rows ticket, block ticket) of the first forward item
 
     @property
     def whole_layers(self) -> list[int]:
@@ -554,6 +555,32 @@ class Executor:
                 at = slots[a:a + piece]
                 model.drop_sources_into(0, tbuf, ids[a:a + piece], seed, tbuf, at, x_at=at)
 
+    def _overlaps_grads(self, size: int) -> bool:
+        """Whether the row memory's first ``size`` elements (the transition
+        buffer's first rows) hold any of ``∇h^1`` when it stays on the device
+        (what the first layer's backward reads there)."""
+        if len(self._kept) < 2 or not self._kept[1]:
+            return False
+        g = self._grad_rows(1)
+        start = (g.data_ptr() - self._rowmem.data_ptr()) // g.element_size()
+        return start < size and g.numel() > 0
+
+    def _forward_skip(self, l: int) -> tuple[str, ...]:
+        """What layer ``l``'s forward pass leaves of its blocks in host memory."""
+        return () if self.model.layers[l].reads_transpose else Block.TRANSPOSE
+
+    def _fetch_ahead(self, k: int, n: int) -> None:
+        """Piece ``k`` of ``n`` of the next forward's first rows (``_prefetch``);
+        with the last, its first block too."""
+        p = self.plan.plan.load_ptr
+        p0, rows = int(p[0]), int(p[1]) - int(p[0])
+        a, b = rows * k // n, rows * (k + 1) // n
+        tbuf = self._buffer(self._tbuf, self.buf.h[0].shape[1])
+        self.mover.fetch_run(self._ordered, p0 + a, p0 + b, None, tbuf, direct=True, at=a)
+        if k == n - 1:
+            self._ahead = (self.mover.loaded(),
+                           self._fetch_block(self.plan.items[0][2], self._forward_skip(0)))
+
     def _seed(self, epoch: int, l: int) -> int:
         return layer_seed(self.seed, epoch, l)
 
@@ -580,10 +607,13 @@ class Executor:
             def fetch(i, l=l, layer=layer, tbuf=tbuf):
                 s, _, c, first, _ = plan.items[i]
                 v0, v1 = self.chunks.range(c)
-                rows = None if l == 1 and keep else self._fetch_rows(l, i, s, first, tbuf)
+                ahead = self._ahead if l == 0 and i == 0 else None
+                self._ahead = None
+                rows = None if l == 1 and keep else ahead[0] if ahead is not None \
+                    else self._fetch_rows(l, i, s, first, tbuf)
                 dst = mv.fetch_range(buf.h[l], v0, v1, "dst") if layer.needs_dst else None
-                return rows, dst, self._fetch_block(
-                    c, () if layer.reads_transpose else Block.TRANSPOSE)
+                return rows, dst, ahead[1] if ahead is not None else self._fetch_block(
+                    c, self._forward_skip(l))
 
             def run(i, fetched, fetch_next, l=l, layer=layer, seed=seed, nxt=nxt, tbuf=tbuf):
                 s, q, c, _, _ = plan.items[i]
@@ -715,6 +745,7 @@ class Executor:
         """Backward over all layers; parameter gradients accumulate in ``.grad``."""
         model, buf, mv, plan = self.model, self.buf, self.mover, self.plan
         model.train(True)
+        self._ahead = None  # (passes before the first layer's overwrite those rows)
         for l in reversed(range(model.num_layers)):
             layer = model.layers[l]
             seed, nxt = self._seed(epoch, l), self._seed(epoch, l + 1)
@@ -753,6 +784,8 @@ class Executor:
             def fetch(i, l=l, layer=layer, tbuf=tbuf, no_graph=no_graph, skip=skip):
                 s, _, c, first, _ = plan.items[i]
                 v0, v1 = self.chunks.range(c)
+                if l == 0 and self._prefetch:
+                    self._fetch_ahead(i, len(plan.items))
                 rows = None if self.cached[l] else self._fetch_rows(l, i, s, first, tbuf)
                 g_out = Ticket(self._grad_rows(l + 1)[v0:v1]) if self._kept[l + 1] \
                     else mv.fetch_range(buf.grad[l + 1], v0, v1, "grad")

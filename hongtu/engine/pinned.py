@@ -18,7 +18,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["pinned_empty", "pinned_tensor", "pinned_copies", "pin_in_place", "device_view",
+__all__ = ["pinned_empty", "pinned_tensor", "pinned_copies", "slab_copies", "pin_in_place",
+           "device_view",
            "unpin"]
 
 _SLAB = 64 << 30
@@ -73,13 +74,20 @@ def pinned_copies(tensors: list[Tensor]) -> list[Tensor]:
     on a 128-byte boundary. Falls back to ``Tensor.pin_memory()`` when CUDA
     refuses the registration.
     """
+    out = slab_copies(tensors, lambda n: pinned_empty((n,), torch.uint8))
+    return out if out is not None else [t.pin_memory() for t in tensors]
+
+
+def slab_copies(tensors: list[Tensor], alloc) -> list[Tensor] | None:
+    """Copies of ``tensors`` carved from one byte slab ``alloc(nbytes) -> (tensor,
+    ok)`` (``None`` when not ok), in order, each on a 128-byte boundary."""
     offsets, total = [], 0
     for t in tensors:
         offsets.append(total)
         total += -(-t.numel() * t.element_size() // 128) * 128
-    slab, ok = pinned_empty((max(total, 1),), torch.uint8)
+    slab, ok = alloc(max(total, 1))
     if not ok:
-        return [t.pin_memory() for t in tensors]
+        return None
     out = []
     for t, o in zip(tensors, offsets):
         n = t.numel() * t.element_size()

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hongtu.engine.pinned import device_view, pinned_tensor
+from hongtu.engine.pinned import device_view, pinned_copies, pinned_tensor
 
 __all__ = ["Mover", "Ticket", "Traffic", "add_rows", "copy_rows"]
 
@@ -155,6 +155,70 @@ def add_rows(dst: Tensor, ids: Tensor, src: Tensor) -> None:
         dst.index_add_(0, ids, src)
 
 
+#: Block tensors in the order :func:`pin_blocks` lays them out: each pass's
+#: index arrays are one run (forward without the transpose: ``indices`` ..
+#: ``src_ids``; a cached layer's backward: ``indptr`` .. ``t_indices``; all),
+#: and so are the degrees.
+BLOCK_LAYOUT = ("indices", "indptr", "src_ids", "t_indptr", "t_indices", "t_perm",
+                "src_in_deg", "dst_in_deg")
+
+
+def pin_blocks(blocks: list, narrow, copies=pinned_copies) -> list:
+    """Pinned copies of the blocks (``None`` kept), every tensor passed through
+    ``narrow`` first (e.g. int64 index arrays to int32), all in one slab
+    (``copies``: :func:`~hongtu.engine.pinned.pinned_copies`), each block's
+    tensors side by side in :data:`BLOCK_LAYOUT` order, so that
+    :meth:`Mover.fetch_block` moves a pass's arrays in one or two copies."""
+    own = [b for b in blocks if b is not None]
+    names = [[n for n in BLOCK_LAYOUT if isinstance(getattr(b, n), Tensor)]
+             + [t for t in b.tensor_names() if t not in BLOCK_LAYOUT] for b in own]
+    flat = copies([narrow(getattr(b, n)) for b, ns in zip(own, names) for n in ns])
+    out, k = [], 0
+    it = iter(zip(own, names))
+    for b in blocks:
+        if b is not None:
+            b, ns = next(it)
+            b = b.replace_tensors(dict(zip(ns, flat[k:k + len(ns)])))
+            k += len(ns)
+        out.append(b)
+    return out
+
+
+# Tensors of one dtype at most this many bytes apart in one slab travel as one
+# copy (pinned_copies aligns each tensor to 128 bytes).
+_RUN_GAP = 128
+
+
+def _block_runs(block, skip: tuple[str, ...]) -> list[tuple[Tensor, list[tuple[str, int, int]]]]:
+    """What :meth:`Mover.fetch_block` copies for ``block`` without ``skip``: host
+    spans, each one run of same-dtype 1-D tensors side by side in one storage,
+    with every tensor's ``(name, start, stop)`` in its span."""
+    items = sorted(((getattr(block, n), n) for n in block.tensor_names() if n not in skip),
+                   key=lambda x: (x[0].untyped_storage().data_ptr(), x[0].storage_offset()))
+    runs: list[list] = []
+    for t, n in items:
+        if runs:
+            last = runs[-1][-1][0]
+            gap = (t.storage_offset() - last.storage_offset() - last.numel()) * t.element_size()
+            if (t.dtype == last.dtype and t.dim() == last.dim() == 1
+                    and t.untyped_storage().data_ptr() == last.untyped_storage().data_ptr()
+                    and 0 <= gap <= _RUN_GAP):
+                runs[-1].append((t, n))
+                continue
+        runs.append([(t, n)])
+    out = []
+    for run in runs:
+        first, last = run[0][0], run[-1][0]
+        if len(run) == 1:
+            out.append((first, [(run[0][1], None, None)]))
+            continue
+        lo = first.storage_offset()
+        span = first.as_strided((last.storage_offset() + last.numel() - lo,), (1,), lo)
+        out.append((span, [(n, t.storage_offset() - lo, t.storage_offset() - lo + t.numel())
+                           for t, n in run]))
+    return out
+
+
 class Mover:
     """Host↔device row transfers with counters.
 
@@ -217,11 +281,14 @@ class Mover:
         #: with :attr:`timeline`, the traffic counters ``(h2d bytes, d2h bytes)`` at
         #: each pass start
         self.pass_bytes: list = []
-        self.compute = self.s_in = self.s_out = None
+        self.compute = self.s_in = self.s_out = self.s_widen = None
         if self.cuda:
             self.compute = torch.cuda.current_stream(device)
             self.s_in = torch.cuda.Stream(device) if self.overlap else self.compute
             self.s_out = torch.cuda.Stream(device) if self.overlap else self.compute
+        # index arrays of blocks are widened to int64 here (fetch_block)
+        self.s_widen = torch.cuda.Stream(device) if self.overlap else self.compute
+        self._runs: dict = {}  # per (block, skip): what fetch_block copies
         self.itemsize = torch.empty((), dtype=dtype).element_size()
 
     # ------------------------------------------------------------- plumbing
@@ -345,15 +412,15 @@ class Mover:
             copy_rows(view, out, ids)
         return Ticket(out, self._ready_event(self.s_in), slots, buf)
 
-    def fetch_run(self, host: Tensor, start: int, stop: int, slots: Tensor, buf: Tensor,
-                  direct: bool = False) -> Ticket:
+    def fetch_run(self, host: Tensor, start: int, stop: int, slots: Tensor | None,
+                  buf: Tensor, direct: bool = False, at: int = 0) -> Ticket:
         """Start ``buf[slots] = host[start:stop]``: rows stored in the order they
         load, so one contiguous copy (DMA) brings them; finish it with :meth:`place`.
 
         With overlap they land in the staging area, unless ``direct`` (nothing in
-        ``buf`` is in use: the first step of a pass) and ``slots`` are ``0 ..
-        n-1`` (the caller's promise), when they land in ``buf`` itself. Without
-        overlap on a GPU there is no staging area: ``direct`` only.
+        those rows of ``buf`` is in use: the first step of a pass) and ``slots``
+        are ``at .. at+n-1`` (the caller's promise), when they land in ``buf``
+        itself. Without overlap on a GPU there is no staging area: ``direct`` only.
         """
         rows, width = stop - start, int(host.shape[1])
         if rows == 0:
@@ -361,11 +428,14 @@ class Mover:
         self._count(host, "h2d", rows, width)
         src = host[start:stop]
         if not self.cuda or host.device.type == "cuda":
-            buf.index_copy_(0, slots, src)
+            if slots is None:
+                buf[at:at + rows].copy_(src)
+            else:
+                buf.index_copy_(0, slots, src)
             return Ticket(None)
         if direct:
             with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
-                buf[:rows].copy_(src, non_blocking=True)
+                buf[at:at + rows].copy_(src, non_blocking=True)
             return Ticket(None, self._ready_event(self.s_in))
         if not self.overlap:
             raise ValueError("fetch_run without overlap lands rows directly only (direct=True)")
@@ -373,6 +443,11 @@ class Mover:
         with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
             out.copy_(src, non_blocking=True)
         return Ticket(out, self._ready_event(self.s_in), slots, buf)
+
+    def loaded(self) -> Ticket:
+        """A ticket that :meth:`place` finds ready once every load issued so far
+        has landed (nothing to put)."""
+        return Ticket(None, self._ready_event(self.s_in))
 
     def place(self, t: Ticket, put=None) -> bool:
         """Wait for a :meth:`fetch_rows` (:meth:`fetch_run`) and put its rows into their
@@ -418,20 +493,47 @@ class Mover:
     def fetch_block(self, block, skip: tuple[str, ...] = ()) -> Ticket:
         """Start copying a chunk's :class:`~hongtu.nn.block.Block` (pinned) to the device.
 
-        Its bytes count as host→device traffic (no rows). Index arrays kept as
-        int32 on the host are widened to int64 on the device. The tensors named
-        in ``skip`` stay in host memory (a pass that does not read them).
+        Its bytes count as host→device traffic (no rows). The tensors named in
+        ``skip`` stay in host memory (a pass that does not read them). Tensors
+        that lie next to each other in one pinned slab (:func:`pin_blocks`)
+        travel as one copy; index arrays kept as int32 on the host are widened
+        to int64 on the device, one kernel per copy, on a stream of its own
+        (a kernel on the copy stream would hold up the copies behind it while
+        compute fills the GPU).
         """
-        stay = tuple(skip)
-        self.traffic.h2d_bytes += block.nbytes(skip=stay)
-
-        def copy(t: Tensor) -> Tensor:
-            d = t.to(self.device, non_blocking=True)
-            return d.long() if d.dtype == torch.int32 else d  # index arrays travel narrowed
-
+        out, narrow = {}, []
         with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
-            dev = block._map(copy, skip=stay)
-        return Ticket(dev, self._ready_event(self.s_in))
+            for span, parts in self._block_runs(block, skip):
+                self.traffic.h2d_bytes += span.nbytes
+                d = span.to(self.device, non_blocking=True)
+                if d.dtype == torch.int32:
+                    narrow.append((d, parts))
+                else:
+                    out.update((name, d if a is None else d[a:b]) for name, a, b in parts)
+        ready = self._ready_event(self.s_in)
+        if narrow:
+            if ready is not None:
+                self.s_widen.wait_event(ready)
+            with torch.cuda.stream(self.s_widen), self.timing("time_h2d_s", self.s_widen):
+                for d, parts in narrow:
+                    if self.overlap:
+                        d.record_stream(self.s_widen)
+                    wide = d.long()
+                    out.update((name, wide if a is None else wide[a:b]) for name, a, b in parts)
+            ready = self._ready_event(self.s_widen)
+        return Ticket(block.replace_tensors(out), ready)
+
+    def _block_runs(self, block, skip: tuple[str, ...]) -> list:
+        key = (id(block), tuple(skip))
+        if key not in self._runs:
+            self._runs[key] = (block, _block_runs(block, skip))  # (keeps the id's block)
+        return self._runs[key][1]
+
+    def block_bytes(self, block, skip: tuple[str, ...] = ()) -> int:
+        """Host bytes :meth:`fetch_block` moves for ``block`` without ``skip``: its
+        tensors' and, where they travel as one copy, the few alignment bytes
+        between them."""
+        return sum(span.nbytes for span, _ in self._block_runs(block, skip))
 
     def take_block(self, t: Ticket):
         """The block of a :meth:`fetch_block`; its memory is kept until compute is done."""

@@ -131,14 +131,19 @@ class Block:
         return self._map(lambda t: t.pin_memory())
 
     def tensors(self) -> list[Tensor]:
-        """The block's tensors, in field order (see :meth:`with_tensors`)."""
+        """The block's tensors, in field order."""
         return [getattr(self, f.name) for f in fields(self)
                 if isinstance(getattr(self, f.name), Tensor)]
 
-    def with_tensors(self, tensors: list[Tensor]) -> Block:
-        """A copy whose tensors are ``tensors`` (in :meth:`tensors` order)."""
-        it = iter(tensors)
-        return self._map(lambda _: next(it))
+    def tensor_names(self) -> list[str]:
+        """Names of the block's tensor fields, in field order."""
+        return [f.name for f in fields(self) if isinstance(getattr(self, f.name), Tensor)]
+
+    def replace_tensors(self, tensors: dict[str, Tensor]) -> Block:
+        """A copy with the tensors named in ``tensors`` replaced (the per-pass cache
+        dropped)."""
+        return Block(**{f.name: tensors.get(f.name, getattr(self, f.name))
+                        for f in fields(self) if f.name != "_cache"})
 
     def _map(self, fn, skip: tuple[str, ...] = ()) -> Block:
         """A copy with ``fn`` applied to every tensor but those named in ``skip``."""

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hongtu.engine import BufferPlan, ChunkSet, Executor, HostBuffers
+from hongtu.engine.transfer import BLOCK_LAYOUT
 from hongtu.nn import GNN, build_block, layer_seed, resolve_layer
 from hongtu.nn.block import Block
 from hongtu.nn.model import reference_loss
@@ -138,6 +139,10 @@ def test_whole_layer_passes_equal_full_graph(case, layer, checkpoint, chunks):
     assert ex._whole == [more] + [True] * (model.num_layers - 1)
     ref_loss, ref_grads = reference_step(model, g)
     assert_matches(model, res.loss, ref_loss, ref_grads)
+    if ex._kept[1]:  # (where the next forward's first rows may not go ahead)
+        g1 = ex._grad_rows(1)
+        start = (g1.data_ptr() - ex._rowmem.data_ptr()) // g1.element_size()
+        assert ex._overlaps_grads(start + 1) and not ex._overlaps_grads(start)
 
 
 @pytest.mark.parametrize("transform_first", [True, False])
@@ -372,6 +377,41 @@ def test_first_layer_loads_from_ordered_inputs(layer, parts, chunks, checkpoint,
     assert (t.h2d_rows, t.d2h_rows, t.h2d_bytes) == (p.h2d_rows, p.d2h_rows, p.h2d_bytes)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", ["gcn", "sage"])
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_next_forward_rows_travel_during_backward(layer, chunks):
+    """With a cached first layer reading its inputs in load order, the first
+    layer's backward pass brings the next forward's first rows and block; the
+    next step (and an evaluation) then starts from them and stays exact."""
+    graph = CASES["skewed"](seed=6)
+    model = make_model(layer)
+    res, g, ex = chunked_step(model, graph, 1, chunks, "auto", device="cuda", ordered=True)
+    assert ex._prefetch and ex._ahead is not None
+    assert_matches(model, res.loss, *reference_step(model, g))
+    asked, rows = [], []
+    orig = ex._fetch_rows
+    ex._fetch_rows = lambda l, i, *a: asked.append((l, i)) or orig(l, i, *a)
+    first = ex.mover.traffic.h2d_rows
+    for epoch in (4, 5):
+        before = ex.mover.traffic.h2d_rows
+        res = ex.step(epoch)
+        rows.append(ex.mover.traffic.h2d_rows - before)
+        assert (0, 0) not in asked and ex._ahead is not None
+        assert_matches(model, res.loss, *reference_step(model, g, epoch))
+    # a step moves what one without it would: the next step's first rows
+    # instead of its own
+    p = ex.plan.plan.load_ptr
+    assert rows[0] == rows[1] == first - int(p[1] - p[0])
+    ex.evaluate(6)
+    logits = ex.buf.h[-1].clone()
+    assert (0, 0) not in asked and ex._ahead is None
+    ex._prefetch = False
+    ex.evaluate(7)
+    assert torch.equal(ex.buf.h[-1], logits)
+    assert (0, 0) in asked
+
+
 @pytest.mark.parametrize("layer", LAYERS)
 @pytest.mark.parametrize("parts", [1, 3])
 def test_rows_kept_across_batches_do_not_change_the_step(layer, parts):
@@ -499,16 +539,25 @@ def test_cuda_step_equals_full_graph(layer, checkpoint, mode):
         assert ex.resident and moved.h2d_bytes == moved.d2h_bytes == 0
     else:
         assert ex.buf.pinned and ex.mover.overlap == (not serial)
-        assert (moved.h2d_rows, moved.d2h_rows) == (expect.h2d_rows, expect.d2h_rows)
+        # (and, ordered, the next step's first rows during the first layer's backward)
+        p = ex.plan.plan.load_ptr
+        ahead = int(p[1] - p[0]) if ex._prefetch else 0
+        assert mode == "ordered" or not ex._prefetch
+        assert (moved.h2d_rows, moved.d2h_rows) == (expect.h2d_rows + ahead, expect.d2h_rows)
     if mode == "copied-blocks":
         # Blocks travel for every pass but the first layer's backward when that
         # recomputes only a cached update (no graph: its inputs get no gradient);
         # forward passes leave the transpose behind unless the layer reads it,
         # and a cached layer's backward the edges its transpose does not read.
         own = {it[2] for it in ex.plan.items}
-        full = sum(ex._blocks[c].nbytes() for c in own)
-        lean = sum(ex._blocks[c].nbytes(skip=Block.TRANSPOSE) for c in own)
-        grad = sum(ex._blocks[c].nbytes(skip=Block.NOT_TRANSPOSED) for c in own)
+
+        def moves(skip):  # (arrays side by side travel as one copy, with their padding)
+            got = sum(ex.mover.block_bytes(ex._blocks[c], skip) for c in own)
+            payload = sum(ex._blocks[c].nbytes(skip=skip) for c in own)
+            assert 0 <= got - payload <= 128 * len(BLOCK_LAYOUT) * len(own)
+            return got
+
+        full, lean, grad = moves(()), moves(Block.TRANSPOSE), moves(Block.NOT_TRANSPOSED)
         assert lean < full and grad < full
         forward = sum(full if layer.reads_transpose else lean for layer in model.layers)
         backward = sum(grad if ex.cached[l] else full for l, layer in enumerate(model.layers)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from hongtu.engine.transfer import add_rows
+from hongtu.engine.executor import _narrow
+from hongtu.engine.pinned import slab_copies
+from hongtu.engine.transfer import BLOCK_LAYOUT, Mover, _block_runs, add_rows, pin_blocks
+from hongtu.nn.block import Block
 
 
 @pytest.mark.gpu
@@ -45,3 +49,66 @@ def test_timeline_marks_every_layer_pass(tmp_path):
     assert mv.pass_bytes[0] == (0, 0) and all(b >= a >= 0 for _, a, b in mv.timeline)
     h2d = sum(b - a for f, a, b in mv.timeline if f == "time_h2d_s") / 1e3
     assert h2d == pytest.approx(rec["time_h2d_s"], rel=1e-3)
+
+
+def _blocks():
+    """Three chunks' blocks of a random graph and one missing (``None``)."""
+    from hongtu.nn.block import build_block
+
+    rng = np.random.default_rng(3)
+    n = 40
+    deg = rng.integers(0, 6, n)
+    indptr = np.concatenate([[0], np.cumsum(deg)]).astype(np.int64)
+    indices = rng.integers(0, n, int(indptr[-1])).astype(np.int64)
+    d = np.diff(indptr).astype(np.float64)
+    return [build_block(indptr, indices, d, a, b) for a, b in ((0, 13), (13, 30), (30, n))] + [None]
+
+
+def _slab(tensors):
+    return slab_copies(tensors, lambda nbytes: (torch.zeros(nbytes, dtype=torch.uint8), True))
+
+
+def test_pinned_blocks_put_each_pass_arrays_side_by_side():
+    """pin_blocks lays each block out so that the arrays a pass copies are one
+    run per dtype (forward without the transpose, a cached layer's backward,
+    all), with every array's place in its span."""
+    blocks = _blocks()
+    pinned = pin_blocks(blocks, _narrow, copies=_slab)
+    assert pinned[-1] is None
+    for b, p in zip(blocks[:-1], pinned[:-1]):
+        for name in b.tensor_names():
+            assert torch.equal(getattr(p, name).long() if name in BLOCK_LAYOUT[:6]
+                               else getattr(p, name), getattr(b, name))
+        assert p.indices.dtype == p.t_perm.dtype == torch.int32
+        for skip, ints in ((Block.TRANSPOSE, ("indices", "indptr", "src_ids")),
+                           (Block.NOT_TRANSPOSED, ("indptr", "src_ids", "t_indptr", "t_indices")),
+                           ((), BLOCK_LAYOUT[:6])):
+            runs = _block_runs(p, skip)
+            assert [tuple(n for n, _, _ in parts) for _, parts in runs] == \
+                [ints, ("src_in_deg", "dst_in_deg")]
+            for span, parts in runs:
+                for name, a, b_ in parts:
+                    assert torch.equal(span[a:b_], getattr(p, name))
+    # Arrays that do not lie side by side travel one by one.
+    runs = _block_runs(blocks[0], Block.TRANSPOSE)
+    assert sorted(n for _, parts in runs for n, a, _ in parts if a is None) == \
+        sorted(n for n in blocks[0].tensor_names() if n not in Block.TRANSPOSE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [True, False])
+def test_fetch_block_brings_the_arrays_widened(overlap):
+    d = torch.device("cuda")
+    mv = Mover(d, {"dst": (1, 1)}, 1, torch.float32, overlap=overlap)
+    for b, p in zip(_blocks()[:-1], pin_blocks(_blocks(), _narrow)[:-1]):
+        for skip in (Block.TRANSPOSE, Block.NOT_TRANSPOSED, ()):
+            before = mv.traffic.h2d_bytes
+            got = mv.take_block(mv.fetch_block(p, skip))
+            assert mv.traffic.h2d_bytes - before == mv.block_bytes(p, skip) >= p.nbytes(skip)
+            for name in b.tensor_names():
+                t = getattr(got, name)
+                if name in skip:
+                    assert t.device.type == "cpu"
+                else:
+                    assert t.is_cuda and t.dtype == getattr(b, name).dtype
+                    assert torch.equal(t.cpu(), getattr(b, name))
