@@ -13,9 +13,10 @@ flush that reaches a row first in a pass, :meth:`Mover.write_rows`) or copied to
 staging and added into the host buffer by a parallel numba kernel on a worker
 thread (ids of one flush are unique, so rows never collide).
 
-**Overlap.** Work runs on three CUDA streams: host→device loads on one,
-device→host stores and flushes on another, compute on the caller's current
-stream. The executor asks for the next batch's rows (:meth:`Mover.fetch_rows`,
+**Overlap.** Work runs on four CUDA streams: host→device loads on one,
+device→host stores and flushes on another, the widening of copied block
+index arrays on a third, compute on the caller's current stream. The
+executor asks for the next batch's rows (:meth:`Mover.fetch_rows`,
 :meth:`Mover.fetch_range`) before it computes the current one, so they travel
 while it computes; :meth:`Mover.take` makes compute wait for exactly the
 copy it needs. Destination-row slots are double-buffered, and neighbour rows
@@ -286,8 +287,8 @@ class Mover:
             self.compute = torch.cuda.current_stream(device)
             self.s_in = torch.cuda.Stream(device) if self.overlap else self.compute
             self.s_out = torch.cuda.Stream(device) if self.overlap else self.compute
-        # index arrays of blocks are widened to int64 here (fetch_block)
-        self.s_widen = torch.cuda.Stream(device) if self.overlap else self.compute
+            # index arrays of blocks are widened to int64 here (fetch_block)
+            self.s_widen = torch.cuda.Stream(device) if self.overlap else self.compute
         self._runs: dict = {}  # per (block, skip): what fetch_block copies
         self.itemsize = torch.empty((), dtype=dtype).element_size()
 
