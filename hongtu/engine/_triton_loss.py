@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hongtu.engine._triton_rows import sm_count
+
 #: widest class count the kernel holds in one row block (wider: torch's ops)
 MAX_CLASSES = 8192
 
@@ -61,7 +63,6 @@ def _output_kernel(logits, stride, labels, cols, splits, grad, gstride, acc, n, 
         tl.atomic_add(acc, -tl.sum(loss, axis=0).to(tl.float64) / num_train)
 
 
-_SMS: dict[int, int] = {}
 # Programs per SM, elements of a row block (at least one row), warps per program:
 # measured best on an H200 for 153K rows of 47 classes among 1-8 warps, 256-4096
 # elements and 2-32 programs per SM (84 us; torch's ops 239 us; 64-row blocks
@@ -85,12 +86,9 @@ def output_triton(logits: torch.Tensor, labels: torch.Tensor, cols: torch.Tensor
     n, C = int(logits.shape[0]), int(logits.shape[1])
     if n == 0:
         return
-    dev = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
-    if dev not in _SMS:
-        _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
     cols_p2 = triton.next_power_of_2(C)
     rows = max(1, min(64, TILE // cols_p2))
-    grid = (max(1, min(triton.cdiv(n, rows), _SMS[dev] * PROGRAMS_PER_SM)),)
+    grid = (max(1, min(triton.cdiv(n, rows), sm_count(logits.device) * PROGRAMS_PER_SM)),)
     _output_kernel[grid](
         logits, logits.stride(0), labels, cols, splits.view(torch.uint8),
         grad if grad is not None else logits, grad.stride(0) if grad is not None else 0,

@@ -46,6 +46,14 @@ def _copy_rows(src, src_stride, src_ids, dst, dst_stride, dst_ids, n, width,
 _SMS: dict[int, int] = {}
 
 
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (a GPU), looked up once."""
+    dev = device.index if device.index is not None else torch.cuda.current_device()
+    if dev not in _SMS:
+        _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return _SMS[dev]
+
+
 def copy_rows_triton(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor | None,
                      dst_ids: torch.Tensor | None, programs_per_sm: float) -> None:
     """``dst[dst_ids] = src[src_ids]`` (``None``: rows in order) on the current stream."""
@@ -53,10 +61,7 @@ def copy_rows_triton(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor
     width = int(src.shape[1])
     if n == 0 or width == 0:
         return
-    dev = dst.device.index if dst.device.index is not None else torch.cuda.current_device()
-    if dev not in _SMS:
-        _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-    grid = (max(1, min(triton.cdiv(n, _ROWS), int(_SMS[dev] * programs_per_sm))),)
+    grid = (max(1, min(triton.cdiv(n, _ROWS), int(sm_count(dst.device) * programs_per_sm))),)
     cols = min(triton.next_power_of_2(width), 512)
     _copy_rows[grid](src, src.stride(0), src_ids if src_ids is not None else src,
                      dst, dst.stride(0), dst_ids if dst_ids is not None else dst, n, width,
@@ -73,10 +78,7 @@ def add_rows_triton(dst: torch.Tensor, dst_ids: torch.Tensor, src: torch.Tensor)
     n, width = int(dst_ids.shape[0]), int(src.shape[1])
     if n == 0 or width == 0:
         return
-    dev = dst.device.index if dst.device.index is not None else torch.cuda.current_device()
-    if dev not in _SMS:
-        _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-    grid = (max(1, min(triton.cdiv(n, _ROWS), _SMS[dev] * ADD_PROGRAMS_PER_SM)),)
+    grid = (max(1, min(triton.cdiv(n, _ROWS), sm_count(dst.device) * ADD_PROGRAMS_PER_SM)),)
     cols = min(triton.next_power_of_2(width), 512)
     _copy_rows[grid](src, src.stride(0), src, dst, dst.stride(0), dst_ids, n, width,
                      HAS_SRC_IDS=False, HAS_DST_IDS=True, ROWS=_ROWS, COLS=cols, ADD=True)

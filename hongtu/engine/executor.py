@@ -30,7 +30,6 @@ they are exactly the full-graph gradients; the caller takes the optimizer step.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numba
@@ -44,7 +43,7 @@ from hongtu.engine.buffers import HostBuffers, available_host_memory
 from hongtu.engine.chunks import ChunkSet
 from hongtu.engine.comm import Comm
 from hongtu.engine.pinned import pinned_tensor
-from hongtu.engine.transfer import Mover, Ticket, add_rows, pin_blocks
+from hongtu.engine.transfer import Mover, Ticket, add_rows, engine_kernels, pin_blocks
 from hongtu.nn import ops
 from hongtu.nn.block import Block
 from hongtu.nn.model import GNN, layer_seed
@@ -63,17 +62,6 @@ class StepResult:
     def accuracy(self, split: str) -> float:
         t = self.total.get(split, 0) if self.total else 0
         return self.correct[split] / t if t else float("nan")
-
-
-@functools.cache
-def _loss_kernel():
-    """The output kernel (:mod:`hongtu.engine._triton_loss`) when Triton is
-    importable (GPU machines), else ``None``."""
-    try:
-        from hongtu.engine import _triton_loss
-    except ImportError:
-        return None
-    return _triton_loss
 
 
 def _narrow(t: Tensor) -> Tensor:
@@ -726,7 +714,7 @@ class Executor:
         """Count correct predictions into ``acc``; in training add the chunk's loss and
         return ``∇h^L`` of its rows (written into ``into`` when given). Device-side
         only: nothing waits for the GPU. On a GPU (float32) one kernel."""
-        kernel = _loss_kernel() if logits.is_cuda and logits.dtype == torch.float32 \
+        kernel = engine_kernels("loss") if logits.is_cuda and logits.dtype == torch.float32 \
             and logits.stride(1) == 1 else None
         if kernel is not None and logits.shape[1] <= kernel.MAX_CLASSES:
             grad = (into if into is not None else torch.empty_like(logits)) if train else None

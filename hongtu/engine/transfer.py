@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import queue
 import threading
 import time
@@ -115,14 +116,14 @@ ROW_COPY_PROGRAMS_PER_SM = 0.5
 
 
 @functools.cache
-def _row_kernels():
-    """The Triton row kernels (:mod:`hongtu.engine._triton_rows`) when Triton is
-    importable (GPU machines), else ``None``."""
+def engine_kernels(kind: str):
+    """The Triton kernels module ``hongtu.engine._triton_<kind>`` (``rows``:
+    :mod:`hongtu.engine._triton_rows`, ``loss``: :mod:`hongtu.engine._triton_loss`)
+    when Triton is importable (GPU machines), else ``None``."""
     try:
-        from hongtu.engine import _triton_rows
+        return importlib.import_module(f"hongtu.engine._triton_{kind}")
     except ImportError:
         return None
-    return _triton_rows
 
 
 def copy_rows(src: Tensor, dst: Tensor, src_ids: Tensor | None = None,
@@ -132,7 +133,7 @@ def copy_rows(src: Tensor, dst: Tensor, src_ids: Tensor | None = None,
     On a GPU one bounded-grid kernel, so zero-copy reads of host rows leave the
     link room for copies going the other way; elsewhere torch's index ops.
     """
-    kernels = _row_kernels() if dst.is_cuda and ROW_COPY_PROGRAMS_PER_SM > 0 else None
+    kernels = engine_kernels("rows") if dst.is_cuda and ROW_COPY_PROGRAMS_PER_SM > 0 else None
     if kernels is not None:
         kernels.copy_rows_triton(src, dst, src_ids, dst_ids, ROW_COPY_PROGRAMS_PER_SM)
         return
@@ -149,7 +150,7 @@ def add_rows(dst: Tensor, ids: Tensor, src: Tensor) -> None:
     On a GPU one kernel that reads, adds and writes each row (no atomics:
     the ids are unique); elsewhere ``index_add_``.
     """
-    kernels = _row_kernels() if dst.is_cuda and src.dim() == 2 else None
+    kernels = engine_kernels("rows") if dst.is_cuda and src.dim() == 2 else None
     if kernels is not None:
         kernels.add_rows_triton(dst, ids, src.contiguous())
     else:

@@ -132,8 +132,7 @@ class Block:
 
     def tensors(self) -> list[Tensor]:
         """The block's tensors, in field order."""
-        return [getattr(self, f.name) for f in fields(self)
-                if isinstance(getattr(self, f.name), Tensor)]
+        return [getattr(self, n) for n in self.tensor_names()]
 
     def tensor_names(self) -> list[str]:
         """Names of the block's tensor fields, in field order."""
