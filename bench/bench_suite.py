@@ -163,6 +163,7 @@ def hongtu_run(key: str, mcfg: dict, system: str, budget: int | None, args, peak
                   f"peak {format_size(r['peak_device_bytes'])}", flush=True)
     except torch.cuda.OutOfMemoryError as exc:
         return {"status": f"OOM: {str(exc).splitlines()[0]}"}
+    passes = _read_passes(passes)
     steady = recs[args.warmup:] or recs
     med = steady_median([r["epoch_s"] for r in recs], args.warmup)
     last = steady[-1]
@@ -213,30 +214,49 @@ def hongtu_run(key: str, mcfg: dict, system: str, budget: int | None, args, peak
 
 
 def _time_passes(ex) -> dict:
-    """Wrap the executor's forward and backward to time each pass (synchronising around it)
-    and count the bytes it moves each way (``NAME_bytes``: ``(h2d, d2h)`` per call)."""
-    times: dict = {"forward": [], "backward": [], "forward_bytes": [], "backward_bytes": []}
+    """Time the executor's forward and backward passes of each step and count the
+    bytes each moves (``NAME_bytes``: ``(h2d, d2h)`` per call). On a GPU the
+    times are CUDA events on the compute stream around each (read with
+    :func:`_read_passes` after the epochs): no synchronisation is added, so the
+    step runs as it would (the device may go from forward to backward without
+    waiting for the host)."""
+    times: dict = {"forward": [], "backward": [], "forward_bytes": [], "backward_bytes": [],
+                   "_events": []}
+    cuda = torch.cuda.is_available()
 
-    def wrap(name):
-        fn = getattr(ex, name)
+    def wrap(attr, name):
+        fn = getattr(ex, attr)
 
         def timed_pass(*a, **kw):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
             tr = ex.mover.traffic
             b0 = (tr.h2d_bytes, tr.d2h_bytes)
+            if cuda:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
             res = fn(*a, **kw)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            times[name].append(time.perf_counter() - t0)
+            if cuda:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                times["_events"].append((name, start, end))
+            else:
+                times[name].append(time.perf_counter() - t0)
             times[name + "_bytes"].append((tr.h2d_bytes - b0[0], tr.d2h_bytes - b0[1]))
             return res
 
-        setattr(ex, name, timed_pass)
+        setattr(ex, attr, timed_pass)
 
-    wrap("forward")
-    wrap("backward")
+    # (what step and evaluate run; a release before this one: forward)
+    wrap("_forward" if hasattr(ex, "_forward") else "forward", "forward")
+    wrap("backward", "backward")
+    return times
+
+
+def _read_passes(times: dict) -> dict:
+    """:func:`_time_passes`' timings in seconds, once the device is done with them."""
+    for name, start, end in times.pop("_events"):
+        end.synchronize()
+        times[name].append(start.elapsed_time(end) / 1000.0)
     return times
 
 

@@ -439,6 +439,15 @@ class Executor:
                           and self._ordered is not None and self._first_in_place
                           and not self._overlaps_grads(int(plan.load_ptr[1]) * widths[0]))
         self._ahead = None  # (rows ticket, block ticket) of the first forward item
+        # The loss may be read after backward is issued (step) where nothing in
+        # backward waits for forward on this thread: one process, on a GPU, and
+        # every array in pinned host memory (backward's CPU writes go to ∇h^l,
+        # l < L, which forward neither reads nor writes; its loads wait for the
+        # stores they read on the device, never on this thread).
+        b = self.buf
+        self._late_result = (self.mover.cuda and comm is None and all(
+            t.device.type == "cpu" and t.is_pinned()
+            for t in [*b.h, *b.grad, *b.agg] if t is not None))
 
     @property
     def whole_layers(self) -> list[int]:
@@ -577,9 +586,23 @@ class Executor:
         return which[: rows * width].view(rows, width)
 
     # ------------------------------------------------------------- forward
-    @torch.no_grad()
     def forward(self, epoch: int, train: bool, progress=None) -> StepResult:
         """Forward over all layers; in training mode also the loss and ``∇h^L``."""
+        return self._result(self._forward(epoch, train, progress))
+
+    def _result(self, acc: Tensor) -> StepResult:
+        """Loss and accuracy counts of a forward's accumulator (a synchronisation)."""
+        acc[4:7] += self._split_sizes
+        v = acc.tolist()  # the pass's one synchronisation
+        res = StepResult(v[0], dict(zip(_SPLITS, map(int, v[1:4]))),
+                         dict(zip(_SPLITS, map(int, v[4:7]))))
+        if self.comm is not None:
+            self._reduce(res)
+        return res
+
+    @torch.no_grad()
+    def _forward(self, epoch: int, train: bool, progress=None) -> Tensor:
+        """:meth:`forward`'s passes, issued; the accumulator of loss and counts."""
         model, buf, mv, plan = self.model, self.buf, self.mover, self.plan
         model.train(train)
         L = model.num_layers
@@ -648,13 +671,7 @@ class Executor:
                     progress(1)
 
             self._run_pass(fetch, run)
-        acc[4:7] += self._split_sizes
-        v = acc.tolist()  # the pass's one synchronisation
-        res = StepResult(v[0], dict(zip(_SPLITS, map(int, v[1:4]))),
-                         dict(zip(_SPLITS, map(int, v[4:7]))))
-        if self.comm is not None:
-            self._reduce(res)
-        return res
+        return acc
 
     def _run_pass(self, fetch, run) -> None:
         """One layer pass over the plan's items.
@@ -856,10 +873,21 @@ class Executor:
                 mv.add_range(buf.grad[l], v0, x_dst.grad)
 
     def step(self, epoch: int, progress=None) -> StepResult:
-        """Forward + loss + backward: leaves the full-graph gradients in the parameters."""
+        """Forward + loss + backward: leaves the full-graph gradients in the parameters.
+
+        Where it may (:attr:`_late_result`), backward is issued before the
+        loss is read, so the device goes from forward to backward without
+        waiting for this thread, and the times of finished work are read
+        while the device ends the step.
+        """
         self.model.zero_grad(set_to_none=True)
-        res = self.forward(epoch, train=True, progress=progress)
+        acc = self._forward(epoch, train=True, progress=progress)
+        if not self._late_result:
+            res = self._result(acc)
         self.backward(epoch, progress=progress)
+        if self._late_result:
+            self.mover.fold(done_only=True)
+            res = self._result(acc)
         return res
 
     def evaluate(self, epoch: int, progress=None) -> StepResult:

@@ -314,12 +314,14 @@ class Mover:
         setattr(t, f"{direction}_bytes", getattr(t, f"{direction}_bytes") + nbytes)
 
     @contextlib.contextmanager
-    def _on(self, stream):
-        """Run the enclosed work on ``stream`` (after what compute has issued so far)."""
+    def _on(self, stream, after_compute: bool = True):
+        """Run the enclosed work on ``stream`` (after what compute has issued so far,
+        unless not ``after_compute``: work that writes only memory it allocates)."""
         if not self.cuda or stream is self.compute:
             yield
             return
-        stream.wait_stream(self.compute)
+        if after_compute:
+            stream.wait_stream(self.compute)
         with torch.cuda.stream(stream):
             yield
 
@@ -348,12 +350,14 @@ class Mover:
         return ev
 
     def barrier(self) -> None:
-        """Loads issued from now on see every store and compute issued so far.
+        """Loads issued from now on see every store issued so far.
 
         Call at the start of a layer pass: it reads what the previous one wrote.
+        (A load into device memory that compute used waits for the compute
+        issued before it, :meth:`_on`; a block's copy, into memory of its own,
+        does not: the next pass's first block travels while this one ends.)
         """
         if self.overlap:
-            self.s_in.wait_stream(self.compute)
             self.s_in.wait_stream(self.s_out)
         if self.timeline is not None and self.cuda:
             mark = torch.cuda.Event(enable_timing=True)
@@ -377,11 +381,25 @@ class Mover:
             base = self._events[0][1]
             self.timeline = [(f, base.elapsed_time(a), base.elapsed_time(b))
                              for f, a, b in self._events]
-        for field, start, end in self._events:
-            if field != "pass":
+        self.fold()
+
+    def fold(self, done_only: bool = False) -> None:
+        """Add the times of timed work into ``traffic``: all of it (after a
+        synchronisation, :meth:`settle`) or, with ``done_only``, what the device
+        has finished, while this thread would otherwise wait for it (reading
+        ~250 event pairs took milliseconds after the epoch's last kernel).
+        With a :attr:`timeline` recording, :meth:`settle` reads them all."""
+        if done_only and self.timeline is not None:
+            return
+        left = []
+        for item in self._events:
+            field, start, end = item
+            if done_only and not end.query():
+                left.append(item)
+            elif field != "pass":
                 setattr(self.traffic, field,
                         getattr(self.traffic, field) + start.elapsed_time(end) / 1000.0)
-        self._events.clear()
+        self._events = left
 
     # ----------------------------------------------------------- host -> dev
     def fetch_rows(self, host: Tensor, ids: Tensor, slots: Tensor, buf: Tensor,
@@ -504,7 +522,7 @@ class Mover:
         compute fills the GPU).
         """
         out, narrow = {}, []
-        with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
+        with self._on(self.s_in, after_compute=False), self.timing("time_h2d_s", self.s_in):
             for span, parts in self._block_runs(block, skip):
                 self.traffic.h2d_bytes += span.nbytes
                 d = span.to(self.device, non_blocking=True)

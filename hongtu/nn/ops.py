@@ -62,7 +62,14 @@ def _csr_mm(indptr: Tensor, indices: Tensor, values: Tensor, x: Tensor, nrows: i
     a = torch.sparse_csr_tensor(indptr, indices, values.to(x.dtype).contiguous(),
                                 size=(nrows, shape[0]),
                                 check_invariants=False)
-    return (a @ x2).reshape((nrows,) + tuple(shape[1:]))
+    if x2.is_cuda:
+        # beta=0: the output is not read (cuSPARSE writes every row), so it
+        # need not be zeroed first, as ``a @ x2`` does (0.1-0.4 ms a pass of
+        # 16 blocks on products-like)
+        out = torch.addmm(x2.new_empty((nrows, x2.shape[1])), a, x2, beta=0)
+    else:
+        out = a @ x2
+    return out.reshape((nrows,) + tuple(shape[1:]))
 
 
 def _spmm_t(block: Block, values: Tensor, g: Tensor) -> Tensor:

@@ -534,6 +534,8 @@ def test_cuda_step_equals_full_graph(layer, checkpoint, mode):
         assert ex._whole == [whole] * model.num_layers  # (the plan loads some rows twice)
     assert (ex.transfer_plan.cached_rows > 0) == (mode == "kept")
     assert ex._copy_blocks == (mode == "copied-blocks")
+    # the loss read after backward is issued: everything in pinned host memory
+    assert ex._late_result == (not mode.startswith("resident"))
     moved, expect = ex.mover.traffic, on_cpu.mover.traffic
     if mode.startswith("resident"):
         assert ex.resident and moved.h2d_bytes == moved.d2h_bytes == 0

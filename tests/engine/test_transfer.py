@@ -112,3 +112,26 @@ def test_fetch_block_brings_the_arrays_widened(overlap):
                 else:
                     assert t.is_cuda and t.dtype == getattr(b, name).dtype
                     assert torch.equal(t.cpu(), getattr(b, name))
+
+
+@pytest.mark.gpu
+def test_fold_reads_finished_work_early_and_the_rest_at_settle():
+    """Times of work the device has finished are read while it goes on; settle
+    reads the rest; together they are every timed piece once."""
+    d = torch.device("cuda")
+    mv = Mover(d, {"dst": (1, 1)}, 1, torch.float32)
+    x = torch.randn(2048, 2048, device=d)
+    for _ in range(6):
+        with mv.timing("time_compute_s"):
+            x = torch.tanh(x @ x)
+    events = list(mv._events)
+    mv.compute.synchronize()
+    with mv.timing("time_compute_s"):
+        x = torch.tanh(x @ x)
+    mv.fold(done_only=True)
+    assert len(mv._events) <= 1 and mv.traffic.time_compute_s > 0  # (the last may be done)
+    events += mv._events
+    mv.settle()
+    assert not mv._events
+    want = sum(a.elapsed_time(b) for _, a, b in events) / 1000.0
+    assert mv.traffic.time_compute_s == pytest.approx(want, rel=1e-9)

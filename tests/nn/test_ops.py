@@ -478,3 +478,21 @@ def test_spmm_with_more_repeated_edges_than_cells():
         dense = dense.index_put((block.edge_dst(), block.indices), w, accumulate=True)
         assert torch.allclose(ops.spmm(block, x, w), dense @ x)
         assert torch.autograd.gradcheck(lambda x, w, b=block: ops.spmm(b, x, w), (x, w))
+
+
+@pytest.mark.gpu
+def test_cuda_sparse_product_writes_every_row():
+    """On a GPU the product's output is not zeroed first (beta=0): rows without
+    edges are zero and nothing of what the memory held shows, NaN included."""
+    indptr = torch.tensor([0, 0, 2, 2, 3, 3], device="cuda")
+    indices = torch.tensor([1, 3, 0], device="cuda")
+    values = torch.tensor([0.5, 2.0, -1.0], device="cuda")
+    x = torch.randn(4, 47, device="cuda")
+    dense = torch.zeros(5, 4, device="cuda")
+    dense[1, 1], dense[1, 3], dense[3, 0] = 0.5, 2.0, -1.0
+    for _ in range(3):
+        torch.full((5, 47), float("nan"), device="cuda")  # freed: its memory comes back
+        out = ops._csr_mm(indptr, indices, values, x, 5)
+        assert not out.isnan().any()
+        torch.testing.assert_close(out, dense @ x)
+        assert (out[[0, 2, 4]] == 0).all()
