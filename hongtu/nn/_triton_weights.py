@@ -27,7 +27,8 @@ GCN, MEAN_OF_ROW, MEAN_OF_COL = 0, 1, 2
 
 @triton.jit
 def _last_at_most(ptr, base, n, e):
-    """The last ``r`` in ``[base, base + n)`` with ``ptr[r] <= e`` (given ``ptr[base] <= e``)."""
+    """The last ``r`` in ``[base, base + n)`` with ``ptr[r] <= e`` (given ``ptr[base] <= e``;
+    ``base`` and ``e`` scalars, or one per lane)."""
     while n > 1:
         half = n // 2
         go = tl.load(ptr + base + half) <= e
@@ -45,14 +46,9 @@ def _weights_kernel(ptr, cols, row_deg, col_deg, out, nnz, nrows,
     r1 = _last_at_most(ptr, r0, nrows + 1 - r0, tl.minimum(e0 + BLOCK, nnz) - 1)
     e = e0 + tl.arange(0, BLOCK)
     valid = e < nnz
-    # each edge's row: the last r with ptr[r] <= e, by the same halving on every lane
-    r = tl.zeros((BLOCK,), dtype=tl.int64) + r0
-    n = r1 - r0 + 1
-    while n > 1:
-        half = n // 2
-        go = tl.load(ptr + r + half, mask=valid, other=0) <= e
-        r = tl.where(go, r + half, r)
-        n = n - half
+    # each edge's row, by the same halving on every lane (the probes stay within
+    # [r0, r1], so lanes past the last edge read in bounds too)
+    r = _last_at_most(ptr, tl.zeros((BLOCK,), dtype=tl.int64) + r0, r1 - r0 + 1, e)
     c = tl.load(cols + e, mask=valid, other=0)
     if OP == 0:
         rs = tl.math.rsqrt(tl.maximum(tl.load(row_deg + r, mask=valid, other=1.0), 1.0))
