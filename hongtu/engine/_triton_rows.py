@@ -6,10 +6,14 @@ which launch a block per few rows and so put every SM's worth of PCIe reads in
 flight at once and hold every SM until they finish, the grid here is bounded
 (programs loop over rows), so compute and the other stream's kernels keep
 running beside it and copies the other way keep their share of the link.
-Measured on an H200 next to a device→host DMA copy of 600K rows: torch's
-zero-copy gather reaches 50 GB/s but drags the copy down to 28 GB/s (78 GB/s
-together); this kernel at one program per SM gathers at 34 GB/s while the
-copy keeps 50 GB/s (84 together); alone both gather at 50-51 GB/s.
+
+An SM that runs a program writing host memory runs compute slowly beside
+it: measured on an H200 (``bench/bench_rows.py``), a 100K×256×256 GEMM took
+3.25× as long beside a scatter of 1 KB rows into host memory at half a
+program per SM and 1.20× at 2 programs of 64 rows, which write as fast
+(51-52 GB/s; a cuSPARSE product 3.89× and 1.05×). So the caller picks the
+grid (:func:`hongtu.engine.transfer.copy_rows`): a few programs of 16 warps,
+each with many rows in flight, or half a program per SM of 4 rows.
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-_ROWS = 4  # rows per loop iteration of a program
+_ROWS = 4  # rows per loop iteration of a program on the default grid
+#: the most elements (rows × a column tile) a program moves per loop iteration
+#: when it reads or writes host memory (more spill registers and slow it down)
+TILE = 16384
 
 
 # Row counts change from call to call: one compiled kernel for all of them
@@ -55,18 +62,27 @@ def sm_count(device: torch.device) -> int:
 
 
 def copy_rows_triton(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor | None,
-                     dst_ids: torch.Tensor | None, programs_per_sm: float) -> None:
-    """``dst[dst_ids] = src[src_ids]`` (``None``: rows in order) on the current stream."""
+                     dst_ids: torch.Tensor | None, grid: tuple[int, int] | None = None) -> None:
+    """``dst[dst_ids] = src[src_ids]`` (``None``: rows in order) on the current stream.
+
+    ``grid``: ``(programs, rows)``, how many programs (of 16 warps) move the
+    rows and how many rows each moves per loop iteration (at most
+    :data:`TILE` elements); ``None`` (the default): half a program per SM
+    (of 4 warps) of 4 rows at a time."""
     n = int((src_ids if src_ids is not None else dst_ids).shape[0])
     width = int(src.shape[1])
     if n == 0 or width == 0:
         return
-    grid = (max(1, min(triton.cdiv(n, _ROWS), int(sm_count(dst.device) * programs_per_sm))),)
     cols = min(triton.next_power_of_2(width), 512)
-    _copy_rows[grid](src, src.stride(0), src_ids if src_ids is not None else src,
-                     dst, dst.stride(0), dst_ids if dst_ids is not None else dst, n, width,
-                     HAS_SRC_IDS=src_ids is not None, HAS_DST_IDS=dst_ids is not None,
-                     ROWS=_ROWS, COLS=cols)
+    if grid is None:
+        programs, rows, warps = max(1, sm_count(dst.device) // 2), _ROWS, 4
+    else:
+        programs, rows, warps = grid[0], min(triton.next_power_of_2(grid[1]), TILE // cols), 16
+    _copy_rows[(max(1, min(triton.cdiv(n, rows), int(programs))),)](
+        src, src.stride(0), src_ids if src_ids is not None else src,
+        dst, dst.stride(0), dst_ids if dst_ids is not None else dst, n, width,
+        HAS_SRC_IDS=src_ids is not None, HAS_DST_IDS=dst_ids is not None,
+        ROWS=rows, COLS=cols, num_warps=warps)
 
 
 #: programs per SM of :func:`add_rows_triton` (device memory only: no link to share)

@@ -19,8 +19,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["pinned_empty", "pinned_tensor", "pinned_copies", "slab_copies", "pin_in_place",
-           "device_view",
-           "unpin"]
+           "device_view", "is_device_view", "unpin"]
 
 _SLAB = 64 << 30
 _PAGE = 4096
@@ -151,3 +150,8 @@ def device_view(t: Tensor, device: torch.device) -> Tensor:
     view = torch.as_tensor(_HostArray(t), device=device)
     view._hongtu_host = t  # the view must not outlive the host memory
     return view
+
+
+def is_device_view(t: Tensor) -> bool:
+    """Whether ``t`` is a :func:`device_view` (itself, not a slice of one)."""
+    return hasattr(t, "_hongtu_host")

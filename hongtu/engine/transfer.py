@@ -54,7 +54,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hongtu.engine.pinned import device_view, pinned_copies, pinned_tensor
+from hongtu.engine.pinned import device_view, is_device_view, pinned_copies, pinned_tensor
 
 __all__ = ["Mover", "Ticket", "Traffic", "add_rows", "copy_rows"]
 
@@ -111,11 +111,25 @@ class Ticket:
     buf: Tensor | None = None
 
 
-#: Programs per SM of the row-copy kernel that reads or writes pinned host
-#: memory (see :mod:`hongtu.engine._triton_rows`); 0 uses torch's index ops.
-#: Half a program per SM measured best on an H200 (rmat22, 3-layer GCN: epoch
-#: 1.259 s with torch's ops, 1.124 at 0.5, 1.167 at 1, 1.186 at 2, 1.193 at 4).
-ROW_COPY_PROGRAMS_PER_SM = 0.5
+#: Grids ``(programs, rows per program and loop iteration)`` of the row-copy
+#: kernel (:mod:`hongtu.engine._triton_rows`) when it reads (loads) or writes
+#: (stores) pinned host rows of :data:`WIDE_ROW_BYTES` or more; ``None`` and
+#: all other copies: half a program per SM of 4 rows; ``ROW_KERNEL = False``
+#: uses torch's index ops. ``bench/bench_rows.py`` on an H200, rows of 1 KB,
+#: beside a 100K×256×256 GEMM and a cuSPARSE product (their time against
+#: alone): stores at 2 programs of 64 rows 51.5 GB/s, ×1.20 and ×1.05, against
+#: 52.2 GB/s, ×3.25 and ×3.89 at half a program per SM, and DMA loads beside
+#: them kept 45 against 31 GB/s (GCN 3×256 epochs 0.398 against 0.415 s on
+#: products-like, 0.631 against 0.655 s on R-MAT 2^22). Narrower stores lose
+#: rate on 2 programs (47 wide: 20 against 34 GB/s) and stay as they were.
+#: Loads at 8 programs of 64 rows left the GEMM ×1.25 against ×1.74 (51 GB/s
+#: either way), but products-like GCN 2×256's second-layer passes took longer
+#: with them in both runs beside the wider grid (forward L1 11.5 and 13.0
+#: against 10.3 ms, backward L1 13.1 and 11.8 against 9.8), so loads keep it.
+ROW_KERNEL = True
+ROW_LOADS: tuple[int, int] | None = None
+ROW_STORES: tuple[int, int] | None = (2, 64)
+WIDE_ROW_BYTES = 1024
 
 
 @functools.cache
@@ -133,12 +147,19 @@ def copy_rows(src: Tensor, dst: Tensor, src_ids: Tensor | None = None,
               dst_ids: Tensor | None = None) -> None:
     """``dst[dst_ids] = src[src_ids]`` on the current stream (``None``: rows in order).
 
-    On a GPU one bounded-grid kernel, so zero-copy reads of host rows leave the
-    link room for copies going the other way; elsewhere torch's index ops.
+    On a GPU one kernel on a bounded grid (few programs, :data:`ROW_LOADS` /
+    :data:`ROW_STORES`, for wide rows with a side a zero-copy view of pinned
+    host memory), so zero-copy reads and writes of host rows leave compute
+    its SMs and the link room for copies going the other way; elsewhere
+    torch's index ops.
     """
-    kernels = engine_kernels("rows") if dst.is_cuda and ROW_COPY_PROGRAMS_PER_SM > 0 else None
+    kernels = engine_kernels("rows") if dst.is_cuda and ROW_KERNEL else None
     if kernels is not None:
-        kernels.copy_rows_triton(src, dst, src_ids, dst_ids, ROW_COPY_PROGRAMS_PER_SM)
+        grid = None
+        if dst.shape[1] * dst.element_size() >= WIDE_ROW_BYTES:
+            grid = ROW_STORES if is_device_view(dst) else ROW_LOADS if is_device_view(src) \
+                else None
+        kernels.copy_rows_triton(src, dst, src_ids, dst_ids, grid)
         return
     rows = src if src_ids is None else src.index_select(0, src_ids)
     if dst_ids is None:

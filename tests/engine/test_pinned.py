@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hongtu.engine.pinned import device_view, pinned_copies, pinned_empty
+from hongtu.engine.pinned import device_view, is_device_view, pinned_copies, pinned_empty
 
 
 @pytest.mark.gpu
@@ -32,17 +32,22 @@ def test_pinned_copies_share_one_slab_and_keep_values():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("width", [1, 47, 256, 602, 1100])
-@pytest.mark.parametrize("per_sm", [0.0, 0.25, 1.0])
-def test_copy_rows_gathers_from_and_scatters_into_pinned_memory(width, per_sm, monkeypatch):
-    """The bounded-grid kernel (and torch's ops, at 0) against plain indexing,
-    for widths below, at and above one column tile, and fewer programs than rows."""
+@pytest.mark.parametrize("grid", [None, (1, 4), (3, 64), (8, 64)])
+def test_copy_rows_gathers_from_and_scatters_into_pinned_memory(width, grid, monkeypatch):
+    """The bounded-grid kernel (and torch's ops, ``None``) against plain indexing,
+    for widths below, at and above one column tile, fewer programs than rows
+    and rows per program capped by the tile (47: on half a program per SM)."""
     from hongtu.engine import transfer
-    monkeypatch.setattr(transfer, "ROW_COPY_PROGRAMS_PER_SM", per_sm)
+    monkeypatch.setattr(transfer, "ROW_KERNEL", grid is not None)
+    for name in ("ROW_LOADS", "ROW_STORES"):
+        monkeypatch.setattr(transfer, name, grid)
+    monkeypatch.setattr(transfer, "WIDE_ROW_BYTES", 0 if width != 47 else 1 << 20)
     dev = torch.device("cuda")
     host, ok = pinned_empty((5000, width), torch.float32)
     assert ok
     host.copy_(torch.randn(5000, width))
     view = device_view(host, dev)
+    assert is_device_view(view) and not is_device_view(view[:10])
     ids = torch.randperm(5000)[:1234].sort().values
     slots = torch.randperm(2000)[:1234]
     buf = torch.zeros(2000, width, device=dev)
@@ -53,6 +58,9 @@ def test_copy_rows_gathers_from_and_scatters_into_pinned_memory(width, per_sm, m
     out = torch.empty(1234, width, device=dev)
     transfer.copy_rows(view, out, ids.to(dev))  # gather in order
     assert torch.equal(out.cpu(), host[ids])
+    again = torch.empty(1234, width, device=dev)
+    transfer.copy_rows(buf, again, slots.to(dev))  # on the device alone
+    assert torch.equal(again, out)
     vals = torch.randn(1234, width, device=dev)
     transfer.copy_rows(vals, view, dst_ids=ids.to(dev))  # scatter into host rows
     torch.cuda.synchronize()
