@@ -144,15 +144,9 @@ class Block:
         return Block(**{f.name: tensors.get(f.name, getattr(self, f.name))
                         for f in fields(self) if f.name != "_cache"})
 
-    def _map(self, fn, skip: tuple[str, ...] = ()) -> Block:
-        """A copy with ``fn`` applied to every tensor but those named in ``skip``."""
-        kw = {}
-        for f in fields(self):
-            if f.name == "_cache":
-                continue
-            v = getattr(self, f.name)
-            kw[f.name] = fn(v) if isinstance(v, Tensor) and f.name not in skip else v
-        return Block(**kw)
+    def _map(self, fn) -> Block:
+        """A copy with ``fn`` applied to every tensor (the per-pass cache dropped)."""
+        return self.replace_tensors({n: fn(getattr(self, n)) for n in self.tensor_names()})
 
     def nbytes(self, skip: tuple[str, ...] = ()) -> int:
         """Bytes of the block's tensors (its device footprint before caching), but
