@@ -303,7 +303,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     t0 = time.perf_counter()
     full = load_data(cfg)
     model = build_model(cfg.model, full.num_features, full.num_classes,
-                        transform_first=e.transform_first)
+                        transform_first=e.transform_first, keep_dropped=True)
     info = {"name": full.name, "num_nodes": full.num_nodes, "num_edges": full.num_edges,
             "num_features": full.num_features, "num_classes": full.num_classes}
     # The report never needs vertex data: keep the structure alone.

@@ -183,12 +183,17 @@ def estimate_device_bytes(model: GNN, sizes: ChunkSizes, itemsize: int = 4,
     peak = 0
     for l, layer in enumerate(model.layers):
         w_in, w_out = widths[l], widths[l + 1]
-        drop = _MASK_BYTES if masks and not (fused and layer.cacheable) else 0
+        # (no mask for rows read as kept: the layer before dropped them)
+        drop = _MASK_BYTES if masks and not (fused and layer.cacheable) \
+            and not model.reads_as_kept(l) else 0
+        out_drop = _MASK_BYTES if masks and not fused and model.reads_as_kept(l + 1) else 0
         src, dst, e = sizes.num_src, sizes.num_dst, sizes.num_edges
         block = e * (3 * 8 + itemsize + 8) + (src + dst) * (8 + itemsize) + src * 8
         act = src * w_in * (2 * itemsize + drop) + dst * (3 * w_in + 3 * w_out) * itemsize
         if w_out != true[l + 1]:  # the next layer transforms first: h^{l+1}[V], then z
-            act = act + dst * true[l + 1] * (3 * itemsize + drop)
+            act = act + dst * true[l + 1] * (3 * itemsize + out_drop)
+        else:  # (its dropout, when the next layer reads h^{l+1} dropped out)
+            act = act + dst * w_out * out_drop
         extra = np.array([layer.extra_device_bytes(int(a), int(b), int(c), itemsize)
                           for a, b, c in zip(src, dst, e)], dtype=np.int64)
         peak = max(peak, int((block + act + extra).max()))

@@ -395,15 +395,21 @@ class Executor:
         self._splits = torch.stack([masks[k] for k in _SPLITS], 1).to(device)
         self._split_sizes = self._splits.sum(0).to(torch.float64)
         self._label_cols = self.labels.clamp(0, model.layers[-1].out_width - 1).unsqueeze(1)
-        # Whole layers that aggregate rows as they are kept (weight first: no
-        # dropout to apply first) read them in place, without a gathered copy.
-        self._in_place = [w and model.transforms_first(l) for l, w in enumerate(self._whole)]
-        # A cached first layer moving the plan's rows (one process) aggregates
-        # them where they lie in the transition buffer, dropped out once as
-        # they arrive (a slot holds one row for the whole pass; backward reads
-        # none of them), instead of gathering and dropping each chunk's copy.
+        # Layers with the built-in aggregation that read their rows as they are
+        # kept (z^l or drop(h^l): no dropout to apply first) aggregate them where
+        # they lie, without a gathered copy: whole layers in the row memory,
+        # the others in the transition buffer's slots.
+        kept_rows = [model.layers[l].cacheable and model.reads_as_kept(l)
+                     for l in range(model.num_layers)]
+        self._in_place = [w and k for w, k in zip(self._whole, kept_rows)]
+        # So does a cached first layer moving the plan's rows (one process),
+        # its rows dropped out once as they arrive (a slot holds one row for
+        # the whole pass; backward reads none of them), instead of gathering
+        # and dropping each chunk's copy.
         self._first_in_slots = (not self._direct and comm is None and not self._whole[0]
                                 and self.cached[0])
+        self._in_slots = [self._first_in_slots] + [
+            k and not self._direct and not w for w, k in zip(self._whole[1:], kept_rows[1:])]
         self._piece = max(chunks.max_rows()[0], 1)  # rows dropped at a time
         # Gradients handed from pass to pass in the row memory.
         self._kept = hand.kept
@@ -629,9 +635,9 @@ class Executor:
             def run(i, fetched, fetch_next, l=l, layer=layer, seed=seed, nxt=nxt, tbuf=tbuf):
                 s, q, c, _, _ = plan.items[i]
                 rows, dst, block = fetched
-                in_slots = l == 0 and self._first_in_slots
+                in_slots = self._in_slots[l]
                 if rows is not None:
-                    if in_slots and train:
+                    if l == 0 and in_slots and train:
                         self._place_dropped(rows, s, tbuf, seed)
                     else:
                         mv.place(rows)

@@ -134,7 +134,7 @@ class Trainer:
         self.num_classes = graph.num_classes
         torch.manual_seed(cfg.train.seed)
         self.model: GNN = build_model(cfg.model, graph.num_features, self.num_classes,
-                                      transform_first=e.transform_first)
+                                      transform_first=e.transform_first, keep_dropped=True)
         self.model.to(device=self.device, dtype=dtype)
         parts = world if e.parts == "auto" else e.parts
         if world > 1 and parts != world:

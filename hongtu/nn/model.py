@@ -52,22 +52,34 @@ class GNN(nn.Module):
     The ``step_*`` methods take and return the rows as the engine keeps them
     (:meth:`row_widths`).
 
+    With ``keep_dropped``, every other layer ``l > 0`` reads its rows as the
+    engine keeps them, :math:`\mathrm{drop}(h^l)`: layer ``l-1``'s step drops
+    out its own rows once (with layer ``l``'s stream, one kernel with the
+    activation each way on a GPU) instead of layer ``l`` dropping each chunk's
+    copy of its neighbour rows (:meth:`keeps_dropped`). The function is the
+    same; the rows a training pass leaves in ``h^l`` are dropped out
+    (evaluation drops nothing).
+
     Args:
         layers: the layers, first to last.
         dropout: drop probability on every layer's input.
         activation: ``relu`` or ``elu``.
         transform_first: split narrowing layers as above (default ``False``:
             every step reads and writes ``h``).
+        keep_dropped: keep the other layers' rows dropped out, as above
+            (default ``False``: each step drops its own inputs).
     """
 
     def __init__(self, layers: list[GNNLayer], dropout: float = 0.0,
-                 activation: str = "relu", transform_first: bool = False) -> None:
+                 activation: str = "relu", transform_first: bool = False,
+                 keep_dropped: bool = False) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self.p = float(dropout)
         self.activation = activation
         self._act = _ACTIVATIONS[activation]
         self.transform_first = bool(transform_first)
+        self.keep_dropped = bool(keep_dropped)
 
     @property
     def num_layers(self) -> int:
@@ -105,6 +117,16 @@ class GNN(nn.Module):
         layer = self.layers[l]
         return layer.can_transform_first and layer.out_width < layer.in_channels
 
+    def keeps_dropped(self, l: int) -> bool:
+        """Whether layer ``l`` reads ``drop(h^l)`` as kept, its dropout applied by
+        layer ``l-1``'s step (see ``keep_dropped``)."""
+        return self.keep_dropped and 0 < l < self.num_layers and not self.transforms_first(l)
+
+    def reads_as_kept(self, l: int) -> bool:
+        """Whether layer ``l`` applies no dropout to the rows it reads: they are
+        ``z^l`` (:meth:`transforms_first`) or ``drop(h^l)`` (:meth:`keeps_dropped`)."""
+        return self.transforms_first(l) or self.keeps_dropped(l)
+
     def row_widths(self) -> list[int]:
         """Width of the rows the engine keeps per layer: ``h^0``, then ``z^l`` or ``h^l``.
 
@@ -117,21 +139,27 @@ class GNN(nn.Module):
     def _drop(self, x: Tensor, ids: Tensor, seed: int) -> Tensor:
         return ops.dropout(x, ids, self.p, seed, self.training)
 
+    def _drop_input(self, l: int, x: Tensor, ids: Tensor, seed: int) -> Tensor:
+        """Layer ``l``'s dropout of rows it reads (none when they are kept dropped)."""
+        return x if self.keeps_dropped(l) else self._drop(x, ids, seed)
+
     def _emit(self, l: int, out: Tensor, block: Block, next_seed: int | None) -> Tensor:
         """Layer ``l``'s output rows as the engine keeps them, from its update
-        ``out``: ``h^{l+1}[V] = σ(out)`` (``out`` on the last layer), or
-        ``z^{l+1}[V] = W_{l+1} drop(σ(out))`` when layer ``l+1`` transforms first
-        (ReLU and dropout then one kernel each way on a GPU)."""
-        if not self.transforms_first(l + 1):
+        ``out``: ``h^{l+1}[V] = σ(out)`` (``out`` on the last layer),
+        ``drop(σ(out))`` when layer ``l+1`` keeps its rows dropped, or
+        ``z^{l+1}[V] = W_{l+1} drop(σ(out))`` when it transforms first (ReLU and
+        dropout then one kernel each way on a GPU)."""
+        if not self.reads_as_kept(l + 1):
             return out if l == self.num_layers - 1 else self._act(out)
         if next_seed is None:
-            raise ValueError(f"layer {l + 1} transforms first: pass next_seed (its dropout seed)")
+            raise ValueError(f"layer {l + 1} reads its rows dropped out by layer {l}: "
+                             "pass next_seed (its dropout seed)")
         ids = block.dst_ids(out.device)  # the block may wait in host memory
         if self.activation == "relu":
             h = ops.relu_dropout(out, ids, self.p, next_seed, self.training)
         else:
             h = self._drop(self._act(out), ids, next_seed)
-        return self.layers[l + 1].transform(h)
+        return self.layers[l + 1].transform(h) if self.transforms_first(l + 1) else h
 
     # ---------------------------------------------------------- engine steps
     def step_forward(self, l: int, block: Block, x_src: Tensor, x_dst: Tensor | None,
@@ -139,7 +167,8 @@ class GNN(nn.Module):
         """Full layer ``l`` on one chunk: ``h^{l+1}[V]`` from ``h^l[N]`` and ``h^l[V]``.
 
         ``next_seed`` is layer ``l+1``'s dropout seed, needed when that layer
-        transforms first (the rows are then ``z^{l+1}``; ``x_src`` is ``z^l``
+        reads its rows as kept (:meth:`reads_as_kept`: the rows are then
+        ``z^{l+1}`` or ``drop(h^{l+1})``; ``x_src`` is ``z^l`` or ``drop(h^l)``
         when layer ``l`` does).
         """
         layer = self.layers[l]
@@ -147,8 +176,9 @@ class GNN(nn.Module):
         if self.transforms_first(l):
             out = layer.finish(layer.aggregate(block, x_src))
         else:
-            xs = self._drop(x_src, block.src_ids, seed)
-            xd = self._drop(x_dst, block.dst_ids(), seed) if x_dst is not None else None
+            xs = self._drop_input(l, x_src, block.src_ids, seed)
+            xd = self._drop_input(l, x_dst, block.dst_ids(), seed) if x_dst is not None \
+                else None
             out = layer(block, xs, xd)
         return self._emit(l, out, block, next_seed)
 
@@ -157,7 +187,7 @@ class GNN(nn.Module):
         block.seed = seed
         if self.transforms_first(l):
             return self.layers[l].aggregate(block, x_src)
-        return self.layers[l].aggregate(block, self._drop(x_src, block.src_ids, seed))
+        return self.layers[l].aggregate(block, self._drop_input(l, x_src, block.src_ids, seed))
 
     def step_update(self, l: int, block: Block, a: Tensor, x_dst: Tensor | None,
                     seed: int, next_seed: int | None = None) -> Tensor:
@@ -167,20 +197,21 @@ class GNN(nn.Module):
         if self.transforms_first(l):
             out = layer.finish(a)
         else:
-            xd = self._drop(x_dst, block.dst_ids(), seed) if x_dst is not None else None
+            xd = self._drop_input(l, x_dst, block.dst_ids(), seed) if x_dst is not None \
+                else None
             out = layer.update(a, xd)
         return self._emit(l, out, block, next_seed)
 
     def drop_sources_into(self, l: int, x: Tensor, ids: Tensor, seed: int, out: Tensor,
                           at: Tensor, x_at: Tensor | None = None) -> None:
         """``out[at] =`` layer ``l``'s dropout of source rows ``x`` (global ``ids``)
-        as :meth:`step_aggregate` applies it (none where the layer transforms
-        first: its rows were dropped before the weight), the rows of ``x`` read
+        as :meth:`step_aggregate` applies it (none where the layer reads its
+        rows as kept: they were dropped before), the rows of ``x`` read
         at ``x_at`` when given; ``out`` may be ``x`` (in place). Rows dropped
         once, as they arrive, may then be aggregated in place
         (``ops.aggregate_rows``). On a GPU one kernel, no copy of the rows
         (:func:`~hongtu.nn.ops.dropout_into`)."""
-        p = 0.0 if self.transforms_first(l) else self.p
+        p = 0.0 if self.reads_as_kept(l) else self.p
         ops.dropout_into(x, ids, p, seed, out, at, x_at, self.training)
 
     def finish_backward(self, l: int, grad_sum: Tensor) -> None:
@@ -197,7 +228,7 @@ class GNN(nn.Module):
                                  seed: int) -> Tensor:
         """Cacheable layers: ``∇h^l[N]`` (``∇z^l[N]``) contributed through the aggregate."""
         g = ops.aggregate_transpose(block, grad_a, self.layers[l].aggr)
-        if self.training and self.p > 0 and not self.transforms_first(l):
+        if self.training and self.p > 0 and not self.reads_as_kept(l):
             # Dropout is diagonal: its transpose is the same mask and scale.
             g = self._drop(g, block.src_ids, seed)
         return g
@@ -263,9 +294,10 @@ def resolve_layer(name: str) -> type:
     return obj
 
 
-def build_model(cfg, in_dim: int, num_classes: int, transform_first: bool = False) -> GNN:
+def build_model(cfg, in_dim: int, num_classes: int, transform_first: bool = False,
+                keep_dropped: bool = False) -> GNN:
     """Build the :class:`GNN` described by a :class:`~hongtu.config.ModelConfig`
-    (``transform_first``: see :class:`GNN`)."""
+    (``transform_first``, ``keep_dropped``: see :class:`GNN`)."""
     cls = resolve_layer(cfg.layer)
     layers: list[GNNLayer] = []
     width = in_dim
@@ -280,7 +312,7 @@ def build_model(cfg, in_dim: int, num_classes: int, transform_first: bool = Fals
         layers.append(layer)
         width = layer.out_width
     return GNN(layers, dropout=cfg.dropout, activation=cfg.activation,
-               transform_first=transform_first)
+               transform_first=transform_first, keep_dropped=keep_dropped)
 
 
 def reference_loss(model: GNN, block: Block, x: Tensor, y: Tensor, train_mask: Tensor,

@@ -15,7 +15,7 @@ import torch
 
 from hongtu.engine import BufferPlan, ChunkSet, Executor, HostBuffers
 from hongtu.engine.transfer import BLOCK_LAYOUT
-from hongtu.nn import GNN, build_block, layer_seed, resolve_layer
+from hongtu.nn import GNN, build_block, layer_seed, ops, resolve_layer
 from hongtu.nn.block import Block
 from hongtu.nn.model import reference_loss
 from hongtu.partition import chunk_partition
@@ -27,9 +27,9 @@ RTOL = 1e-5
 
 
 def make_model(layer: str, seed: int = 0, dropout: float = 0.5,
-               transform_first: bool = True) -> GNN:
-    """Two layers, 6 -> 8 -> 3 wide (GCN's second layer transforms first, as the
-    engine's default has it)."""
+               transform_first: bool = True, keep_dropped: bool = True) -> GNN:
+    """Two layers, 6 -> 8 -> 3 wide (GCN's second layer transforms first, the
+    others' reads its rows dropped out by the first, as the engine has it)."""
     torch.manual_seed(seed)
     cls = resolve_layer(layer)
     if layer == "gat":
@@ -37,7 +37,8 @@ def make_model(layer: str, seed: int = 0, dropout: float = 0.5,
                   cls(8, NUM_CLASSES, heads=1, concat=False, dropout=dropout)]
     else:
         layers = [cls(NUM_FEATURES, 8), cls(8, NUM_CLASSES)]
-    return GNN(layers, dropout=dropout, activation="relu", transform_first=transform_first)
+    return GNN(layers, dropout=dropout, activation="relu", transform_first=transform_first,
+               keep_dropped=keep_dropped)
 
 
 def masks_of(g):
@@ -76,9 +77,10 @@ def chunked_step(model: GNN, graph, parts: int, chunks: int, checkpoint: str, ep
 
 def reference_step(model: GNN, g, epoch: int = 3):
     """Plain in-memory full-graph loss and gradients in float64 (every layer
-    aggregates h, whatever the model's transform_first)."""
+    drops out and aggregates h, whatever the model's transform_first and
+    keep_dropped)."""
     ref = copy.deepcopy(model).double().cpu()
-    ref.transform_first = False
+    ref.transform_first = ref.keep_dropped = False
     ref.zero_grad(set_to_none=True)
     ref.train()
     block = build_block(g.indptr, g.indices, g.in_degree(), 0, g.num_nodes, torch.float64,
@@ -169,6 +171,46 @@ def test_transform_first_equals_plain_training(transform_first, parts, chunks, w
     _, _, ex_other = chunked_step(other, graph, parts, chunks, checkpoint, whole=whole)
     narrow, wide = (ex, ex_other) if transform_first else (ex_other, ex)
     assert narrow.mover.traffic.h2d_bytes < wide.mover.traffic.h2d_bytes
+
+
+def three_layers(layer: str, keep_dropped: bool) -> GNN:
+    """6 -> 16 -> 16 -> 3: the middle layer neither narrows nor transforms first."""
+    torch.manual_seed(0)
+    cls = resolve_layer(layer)
+    if layer == "gat":
+        layers = [cls(NUM_FEATURES, 8, heads=2, concat=True, dropout=0.5),
+                  cls(16, 8, heads=2, concat=True, dropout=0.5),
+                  cls(16, NUM_CLASSES, heads=1, concat=False, dropout=0.5)]
+    else:
+        layers = [cls(NUM_FEATURES, 16), cls(16, 16), cls(16, NUM_CLASSES)]
+    return GNN(layers, dropout=0.5, transform_first=True, keep_dropped=keep_dropped)
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+@pytest.mark.parametrize("parts,chunks,whole", [(1, 5, False), (2, 3, False), (1, 5, True)])
+@pytest.mark.parametrize("checkpoint", ["auto", "recompute"])
+def test_rows_kept_dropped_equal_plain_training(layer, parts, chunks, whole, checkpoint):
+    """Three layers: the middle one reads drop(h^1) as the first layer wrote it
+    (aggregated where the rows lie when its aggregation is built in) and the
+    step is plain training's; the h^1 a training pass leaves in host memory is
+    layer 1's dropout of what each layer dropping its own inputs leaves."""
+    graph = CASES["halo_heavy"](seed=9)
+    model = three_layers(layer, keep_dropped=True)
+    assert model.keeps_dropped(1)
+    res, g, ex = chunked_step(model, graph, parts, chunks, checkpoint, whole=whole)
+    aggregates = model.layers[1].cacheable
+    assert ex._in_slots[1] == (aggregates and not ex._whole[1])
+    assert ex._in_place[1] == (aggregates and ex._whole[1])
+    ref_loss, ref_grads = reference_step(model, g)
+    assert_matches(model, res.loss, ref_loss, ref_grads)
+    if whole:
+        return  # (h^1 may stay on the device)
+    _, _, plain = chunked_step(three_layers(layer, keep_dropped=False), graph, parts, chunks,
+                               checkpoint)
+    ids = torch.arange(g.num_nodes)
+    want = ops.dropout(plain.buf.h[1], ids, 0.5, layer_seed(0, 3, 1))
+    torch.testing.assert_close(ex.buf.h[1], want, rtol=1e-6, atol=1e-7)
+    assert (ex.buf.h[1] == 0).sum() > (plain.buf.h[1] == 0).sum()
 
 
 @pytest.mark.parametrize("layer", ["gcn", "sage", "gin"])
@@ -491,6 +533,7 @@ def test_resident_arithmetic_on_cpu(layer, chunks, monkeypatch):
         self._direct = self.resident = True
         self._whole = [False] * len(self._whole)  # (as a resident executor has it)
         self._first_in_slots = False
+        self._in_place = self._in_slots = [False] * len(self._whole)
 
     monkeypatch.setattr(Executor, "__init__", resident_init)
     graph = CASES["skewed"](seed=6)

@@ -10,7 +10,7 @@ import torch
 from torch_geometric.nn import GATConv, GCNConv, GINConv, SAGEConv
 
 from examples.edge_weighted_conv import EdgeWeightedConv
-from hongtu.nn import GAT, GCN, GIN, GNN, SAGE, build_block, build_model
+from hongtu.nn import GAT, GCN, GIN, GNN, SAGE, build_block, build_model, ops
 from hongtu.nn.block import Block
 from hongtu.nn.layer import GNNLayer
 
@@ -429,6 +429,76 @@ def test_transform_first_is_the_same_function():
     ref.backward(g)
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+# ------------------------------------------------------------ kept dropped
+def kept_model(name: str, keep_dropped: bool, activation: str = "relu") -> GNN:
+    """6 -> 16 -> 16 -> 3 with GCN's last layer transforming first; the middle
+    layer (and a non-GCN stack's last) reads drop(h^l) as kept."""
+    torch.manual_seed(0)
+    cls = {"gcn": GCN, "sage": SAGE, "gin": GIN, "gat": GAT}[name]
+    kw = {"concat": False} if name == "gat" else {}
+    layers = [cls(F_IN, 16, **kw), cls(16, 16, **kw), cls(16, F_OUT, **kw)]
+    return GNN(layers, dropout=0.5, activation=activation, transform_first=True,
+               keep_dropped=keep_dropped).double().train()
+
+
+def test_which_layers_keep_their_rows_dropped():
+    assert [kept_model("gcn", True).keeps_dropped(l) for l in range(3)] == [False, True, False]
+    assert [kept_model("gcn", True).reads_as_kept(l) for l in range(3)] == [False, True, True]
+    assert [kept_model("sage", True).keeps_dropped(l) for l in range(3)] == [False, True, True]
+    assert not any(kept_model("sage", False).reads_as_kept(l) for l in range(3))
+    # the rows keep their width: only their values are dropped out
+    assert kept_model("sage", True).row_widths() == kept_model("sage", False).row_widths()
+
+
+@pytest.mark.parametrize("name", ["gcn", "sage", "gin", "gat"])
+@pytest.mark.parametrize("activation", ["relu", "elu"])
+def test_kept_dropped_rows_are_the_same_function(name, activation):
+    """Forward and every parameter gradient equal each layer dropping its own
+    inputs; the rows layer 0 writes are layer 1's dropout of h^1."""
+    model, plain = kept_model(name, True, activation), kept_model(name, False, activation)
+    x, seeds = features(), [5, 6, 7]
+    out = model.full_forward(full_block(), x, seeds)
+    ref = plain.full_forward(full_block(), x, seeds)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref.backward(g)
+    for (n, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=n)
+    block = full_block()
+    with torch.no_grad():
+        h1 = plain.step_forward(0, block, x, x if plain.layers[0].needs_dst else None, 5)
+        d1 = model.step_forward(0, block, x, x if model.layers[0].needs_dst else None, 5, 6)
+        torch.testing.assert_close(d1, ops.dropout(h1, block.dst_ids(), 0.5, 6),
+                                   rtol=0, atol=0)
+        assert (d1 == 0).sum() > (h1 == 0).sum()  # (some rows were dropped)
+        model.eval()  # evaluation drops nothing: the rows are h^1 itself
+        plain.eval()
+        h1 = plain.step_forward(0, block, x, x if plain.layers[0].needs_dst else None, 5)
+        d1 = model.step_forward(0, block, x, x if model.layers[0].needs_dst else None, 5, 6)
+        torch.testing.assert_close(d1, h1, rtol=0, atol=0)
+
+
+def test_kept_dropped_steps_agree():
+    """The middle layer of a kept-dropped stack: aggregate-then-update equals the
+    full step, and the aggregate's transpose is the gradient in drop(h^1)."""
+    model = kept_model("gcn", True)
+    x = features(16)
+    for block in [full_block()] + chunk_blocks():
+        x_src = x[block.src_ids].clone().requires_grad_()
+        a = model.step_aggregate(1, block, x_src, 6)
+        torch.testing.assert_close(a, ops.aggregate(block, x_src, "gcn"), rtol=0, atol=0)
+        got = model.step_update(1, block, a, None, 6, 7)
+        expected = model.step_forward(1, block, x_src, None, 6, 7)
+        torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)
+        g = torch.randn_like(a)
+        (want,) = torch.autograd.grad(a, x_src, g)
+        torch.testing.assert_close(model.step_aggregate_transpose(1, block, g, 6), want,
+                                   rtol=0, atol=ATOL)
+    with pytest.raises(ValueError, match="next_seed"):
+        model.step_forward(0, full_block(), features(), None, 5)
 
 
 def test_transform_first_needs_the_next_seed():
