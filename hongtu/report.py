@@ -175,7 +175,7 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
         row_memory,
         spare_rows,
     )
-    from hongtu.engine.executor import reads_rows_once
+    from hongtu.engine.executor import first_layer_rows, reads_rows_once
 
     e = ctx["engine"]
     part = chunk_partition(graph, assignment, n, num_parts=m, method=e.partitioner,
@@ -215,9 +215,12 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
     left, _ = leftover_bytes(ctx["budget"], need, resident_block_bytes(sizes, ctx["itemsize"]))
     left = left if e.whole_layers else None
     once = reads_rows_once(ctx["model"], e.checkpoint)
+    first_rows, first_stores = first_layer_rows(
+        first, widths, ctx["model"].cached_layers(e.checkpoint), ctx["overlapped"])
     rows = grown_row_memory(plan_rows, left, graph.num_nodes, widths,
                             int(first.load_ids.shape[0]), ctx["devices"] > 1, ctx["itemsize"],
-                            keep_rows=len(once) > 1 and once[1])
+                            keep_rows=len(once) > 1 and once[1], first_rows=first_rows,
+                            first_stores=first_stores)
     return _Setting(part, plan, name, candidates, need + (rows - plan_rows) * ctx["itemsize"],
                     rows)
 
@@ -295,6 +298,8 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         parts_list: part counts of the α table (default :data:`PARTS_LIST`).
         chunks_list: chunk counts to compare (default ``n`` and its neighbours).
     """
+    import torch
+
     from hongtu.engine.executor import plan_handoffs, reads_rows_once
     from hongtu.engine.trainer import load_data
     from hongtu.nn.model import build_model
@@ -333,7 +338,9 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     budget, n, chunks_how = _budget_and_chunks(cfg, graph, assignment, m, model, notes)
     ctx = {"engine": e, "seed": cfg.train.seed, "throughput": tp, "devices": e.devices,
            "row_bytes": itemsize * max(widths), "model": model, "itemsize": itemsize,
-           "budget": budget}
+           "budget": budget,
+           # (as training decides where loads and stores overlap: a GPU with overlap)
+           "overlapped": e.overlap and e.accelerator != "cpu" and torch.cuda.is_available()}
     main = _plan_chunks(graph, assignment, m, n, ctx)
     t["plan_s"] = time.perf_counter() - t0
 
@@ -341,7 +348,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         plan, first, n = s.plan, s.plan.plans[0], graph.num_nodes
         hand = plan_handoffs(n, widths, s.row_elements, first,
                              first.max_later_load if e.overlap else 0, e.devices > 1, cached,
-                             once, enabled=e.whole_layers)
+                             once, enabled=e.whole_layers, overlapped=ctx["overlapped"])
         return _traffic(widths, cached, stored, needs_dst, itemsize, n, plan.h2d_rows,
                         plan.d2h_rows, hand)
 

@@ -33,7 +33,8 @@ from hongtu.partition import Chunker, Partition
 from hongtu.partition._kernels import distinct_sources
 
 __all__ = ["CHUNK_CANDIDATES", "ChunkSizes", "Chunkings", "choose_chunks", "chunk_sizes",
-           "estimate_device_bytes", "grown_row_memory", "leftover_bytes", "resident_block_bytes",
+           "estimate_device_bytes", "first_layer_stores", "first_layer_whole_faster",
+           "grown_row_memory", "leftover_bytes", "resident_block_bytes",
            "row_memory", "slot_widths", "spare_rows", "whole_layer_needs"]
 
 CHUNK_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512,
@@ -91,7 +92,8 @@ def row_memory(buffer_rows: int, widths: list[int], stage_rows: int = 0) -> int:
 
 
 def whole_layer_needs(num_rows: int, widths: list[int], load_rows: int,
-                      exchange: bool) -> list[int | None]:
+                      exchange: bool, first_rows: int | None = None,
+                      first_stores: int = 0) -> list[int | None]:
     """Row-memory elements each layer needs to move all its rows per pass, or
     ``None`` where it should not.
 
@@ -100,25 +102,57 @@ def whole_layer_needs(num_rows: int, widths: list[int], load_rows: int,
     when the plan would load at least as many rows per pass (``load_rows``): no
     more bytes, as DMA instead of a gather — only for a lone process
     (``exchange`` false; otherwise rows of other parts travel by the plan's
-    exchange). The first layer only when the plan would load more: its pass
-    stores the most (the cached aggregate), and one copy of all its rows at the
-    start leaves those stores and the compute waiting, where the plan's loads
-    travel step by step under them (R-MAT 2^22, GCN 2×256: 0.218 s whole
-    against 0.204 s gathered).
+    exchange). The first layer only when the plan would load more, and then
+    only where that is the faster pass (:func:`first_layer_whole_faster`, given
+    the plan's first step's rows ``first_rows`` and the elements its forward
+    stores per row ``first_stores``; ``first_rows`` ``None``: whenever the plan
+    loads more).
     """
     out: list[int | None] = []
     for l, w in enumerate(widths[:-1]):
-        more = load_rows > num_rows if l == 0 else load_rows >= num_rows
+        if l == 0:
+            more = load_rows > num_rows and (first_rows is None or first_layer_whole_faster(
+                num_rows, w, load_rows, first_rows, first_stores))
+        else:
+            more = load_rows >= num_rows
         out.append(num_rows * w * (1 if l == 0 else 2) if more and not exchange else None)
     return out
 
 
+def first_layer_whole_faster(num_rows: int, width: int, load_rows: int, first_rows: int,
+                             stores: int) -> bool:
+    """Whether the first layer's forward pass takes less link time copying all
+    its ``num_rows`` rows at the start than loading the plan's ``load_rows``
+    step by step (``first_rows`` at its first step), given the ``stores``
+    elements per row it writes back (its output rows and cached aggregate).
+
+    Whole, nothing is computed or stored before the copy ends: ``n·w + n·s``.
+    Step by step, the pass waits for its first step's rows, then the other
+    steps' rows travel while it stores (each direction at the link's rate):
+    ``r0·w + max((r - r0)·w, n·s)``. A pass that stores more than it loads
+    gains from starting early (products-like GCN 3×256, nvidia-h200: forward
+    pass 68 against 86 ms, epoch 0.375 against 0.390 s; R-MAT 2^22 GCN 2×256,
+    the plan loading each row once: 0.204 against 0.218 s).
+    """
+    whole = num_rows * (width + stores)
+    plan = first_rows * width + max((load_rows - first_rows) * width, num_rows * stores)
+    return load_rows > num_rows and whole < plan
+
+
+def first_layer_stores(widths: list[int], cached: list[bool]) -> int:
+    """Elements per row the first layer's forward pass writes to host memory:
+    its output rows and, when cached, its aggregate."""
+    return widths[1] + (widths[0] if cached[0] else 0)
+
+
 def grown_row_memory(memory: int, spare_bytes: int | None, num_rows: int, widths: list[int],
                      load_rows: int, exchange: bool, itemsize: int = 4,
-                     keep_rows: bool = False) -> int:
+                     keep_rows: bool = False, first_rows: int | None = None,
+                     first_stores: int = 0) -> int:
     """The row memory to allocate (elements): the plan's ``memory``, grown by at
     most ``spare_bytes`` when that lets more layers move whole
-    (:func:`whole_layer_needs`): to the largest need that fits. With
+    (:func:`whole_layer_needs`, with ``first_rows`` and ``first_stores``): to
+    the largest need that fits. With
     ``keep_rows`` (the second layer reads its rows in its forward aggregation
     only, :func:`~hongtu.engine.executor.reads_rows_once`), room for ``h^1``
     after the first layer's plan memory also counts: the first layer's pass
@@ -127,7 +161,7 @@ def grown_row_memory(memory: int, spare_bytes: int | None, num_rows: int, widths
     if not spare_bytes or spare_bytes <= 0:
         return int(memory)
     top = int(memory) + int(spare_bytes) // itemsize
-    needs = whole_layer_needs(num_rows, widths, load_rows, exchange)
+    needs = whole_layer_needs(num_rows, widths, load_rows, exchange, first_rows, first_stores)
     if keep_rows and len(needs) > 1 and needs[1] is not None:
         size = num_rows * widths[1]
         needs.append(size + max(size, int(memory)))

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from hongtu.dedup import DevicePlan
-from hongtu.engine.budget import row_memory, slot_widths, whole_layer_needs
+from hongtu.engine.budget import first_layer_stores, row_memory, slot_widths, whole_layer_needs
 from hongtu.engine.buffers import HostBuffers, available_host_memory
 from hongtu.engine.chunks import ChunkSet
 from hongtu.engine.comm import Comm
@@ -98,13 +98,16 @@ def _first_flushes_first(ids, ptr, seen, own_step, written, order, split):
 
 
 def layers_moved_whole(num_rows: int, widths: list[int], memory: int, load_rows: int,
-                       exchange: bool) -> list[bool]:
+                       exchange: bool, first_rows: int | None = None,
+                       first_stores: int = 0) -> list[bool]:
     """Which layers' passes move all of ``h^l`` (and ``∇h^l``) in one contiguous
     copy each instead of the plan's neighbour rows: those that should
-    (:func:`~hongtu.engine.budget.whole_layer_needs`) and fit the device row
-    memory (``memory`` elements, :func:`~hongtu.engine.budget.row_memory`)."""
+    (:func:`~hongtu.engine.budget.whole_layer_needs`, with ``first_rows`` and
+    ``first_stores``) and fit the device row memory (``memory`` elements,
+    :func:`~hongtu.engine.budget.row_memory`)."""
     return [n is not None and n <= int(memory)
-            for n in whole_layer_needs(num_rows, widths, load_rows, exchange)]
+            for n in whole_layer_needs(num_rows, widths, load_rows, exchange, first_rows,
+                                       first_stores)]
 
 
 def gradients_kept(whole: list[bool], cached: list[bool], widths: list[int]) -> list[bool]:
@@ -179,6 +182,18 @@ def rows_kept_at(num_rows: int, widths: list[int], memory: int, whole: list[bool
     return None
 
 
+def first_layer_rows(plan: DevicePlan, widths: list[int], cached: list[bool],
+                     overlapped: bool) -> tuple[int | None, int]:
+    """``(first_rows, first_stores)`` for :func:`~hongtu.engine.budget.whole_layer_needs`:
+    the rows the plan's first step loads and the elements per row the first
+    layer's forward pass stores, when loads and stores overlap; else ``(None,
+    0)``: copies run one after another, and the fewer bytes win."""
+    if not overlapped:
+        return None, 0
+    rows = int(plan.load_ptr[1] - plan.load_ptr[0]) if plan.num_steps else 0
+    return rows, first_layer_stores(widths, cached)
+
+
 @dataclass(frozen=True)
 class Handoffs:
     """What a step keeps in the device row memory beyond the plan's rows."""
@@ -194,13 +209,17 @@ class Handoffs:
 
 def plan_handoffs(num_rows: int, widths: list[int], memory: int, plan: DevicePlan,
                   stage_rows: int, exchange: bool, cached: list[bool], read_once: list[bool],
-                  enabled: bool = True) -> Handoffs:
+                  enabled: bool = True, overlapped: bool = False) -> Handoffs:
     """The :class:`Handoffs` of a row memory of ``memory`` elements with ``plan``'s
     transition buffer and ``stage_rows`` staging rows (the executor's, the
     Trainer's host buffers and ``hongtu report`` all take them from here);
-    ``enabled`` false (no whole layers): none."""
+    ``enabled`` false (no whole layers): none. ``overlapped``: loads and stores
+    run at once (a GPU with ``engine.overlap``), so the first layer moves whole
+    only where its pass is shorter by link time; otherwise wherever its plan
+    loads more (:func:`first_layer_rows`)."""
     whole = layers_moved_whole(num_rows, widths, memory, int(plan.load_ids.shape[0]),
-                               exchange) if enabled else [False] * (len(widths) - 1)
+                               exchange, *first_layer_rows(plan, widths, cached, overlapped)) \
+        if enabled else [False] * (len(widths) - 1)
     busy = first_layer_busy(num_rows, widths, plan.buffer_rows, stage_rows, whole[0])
     return Handoffs(whole, gradients_kept(whole, cached, widths),
                     rows_kept_at(num_rows, widths, memory, whole, read_once, busy))
@@ -375,7 +394,8 @@ class Executor:
         n = buffers.h[0].shape[0]
         hand = plan_handoffs(n, widths, self._rowmem.numel(), plan, stage, comm is not None,
                              self.cached, reads_rows_once(model, checkpoint),
-                             enabled=whole_layers and not self._direct)
+                             enabled=whole_layers and not self._direct,
+                             overlapped=overlap and device.type == "cuda")
         self._whole = hand.whole
         # h^0's rows in load order: step s's loads are rows load_ptr[s]:load_ptr[s+1]
         # (not when host memory would not hold the copy: the rows are gathered then).

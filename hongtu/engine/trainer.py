@@ -41,7 +41,7 @@ from hongtu.engine.buffers import BufferPlan, HostBuffers
 from hongtu.engine.checkpoint import CHECKPOINT, atomic_torch_save, load_checkpoint, save_checkpoint
 from hongtu.engine.chunks import ChunkSet
 from hongtu.engine.comm import in_distributed_launch, init_from_env
-from hongtu.engine.executor import Executor, plan_handoffs, reads_rows_once
+from hongtu.engine.executor import Executor, first_layer_rows, plan_handoffs, reads_rows_once
 from hongtu.errors import UserError
 from hongtu.graph import Graph
 from hongtu.nn.model import GNN, build_model, describe_layers
@@ -222,9 +222,13 @@ class Trainer:
         dplan, widths = self.transfer_plan.plans[rank], self.model.row_widths()
         stage = dplan.max_later_load if e.overlap else 0  # staging rows of the row memory
         plan_rows = row_memory(dplan.buffer_rows, widths, stage)
-        row_elements = grown_row_memory(plan_rows, left, b - a, widths,
-                                        int(dplan.load_ids.shape[0]), world > 1, itemsize,
-                                        keep_rows=len(once) > 1 and once[1])
+        cached = self.model.cached_layers(e.checkpoint)
+        overlapped = e.overlap and self.device.type == "cuda"  # (loads beside stores)
+        first_rows, first_stores = first_layer_rows(dplan, widths, cached, overlapped)
+        row_elements = grown_row_memory(
+            plan_rows, left, b - a, widths, int(dplan.load_ids.shape[0]), world > 1, itemsize,
+            keep_rows=len(once) > 1 and once[1], first_rows=first_rows,
+            first_stores=first_stores)
         self.estimate += (row_elements - plan_rows) * itemsize
         if self.room is not None and self.estimate > self.room:
             raise UserError(f"the transfer plan's buffers need about "
@@ -238,9 +242,9 @@ class Trainer:
         split["blocks_s"] = time.perf_counter() - t
         # Gradients the executor will keep on the device need no host buffer
         # (its row memory is at least row_elements: it keeps at least these).
-        kept = plan_handoffs(b - a, widths, row_elements, dplan, stage, world > 1,
-                             self.model.cached_layers(e.checkpoint), once,
-                             enabled=e.whole_layers and not self.resident).kept
+        kept = plan_handoffs(b - a, widths, row_elements, dplan, stage, world > 1, cached, once,
+                             enabled=e.whole_layers and not self.resident,
+                             overlapped=overlapped).kept
         plan = BufferPlan(b - a, widths, stored, itemsize, grads=[not k for k in kept])
         self.out(self._plan_text(plan, parts, chunks))
         t = time.perf_counter()

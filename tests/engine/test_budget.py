@@ -12,6 +12,8 @@ from hongtu.engine.budget import (
     choose_chunks,
     chunk_sizes,
     estimate_device_bytes,
+    first_layer_stores,
+    first_layer_whole_faster,
     grown_row_memory,
     row_memory,
     slot_widths,
@@ -111,6 +113,29 @@ def test_first_layer_moves_whole_without_a_gradient_twin():
     assert grown_row_memory(30, 4 * 100, 10, [4, 8, 2], 10, False) == 30
     assert grown_row_memory(30, None, 10, [4, 8, 2], 11, False) == 30
     assert grown_row_memory(30, 4 * 200, 10, [4, 8, 2], 11, True) == 30
+
+
+def test_first_layer_moves_whole_only_where_its_pass_is_faster():
+    """Link time of the first layer's forward pass, whole n·w + n·s against step
+    by step r0·w + max((r - r0)·w, n·s)."""
+    # products-like GCN 3x256 at 24 chunks: 1.26 |V| loaded, 0.21 |V| at the
+    # first step, 256 + 100 stored per row: step by step (376 < 456 |V|·4 B)
+    n = 2_450_000
+    stores = first_layer_stores([100, 256, 47, 47], [True, True, True])
+    assert stores == 356
+    assert not first_layer_whole_faster(n, 100, 3_079_392, 504_725, stores)
+    # a pass that stores little (recomputed, narrow output) and loads 2 |V|: whole
+    assert first_layer_stores([100, 47, 47], [False, False]) == 47
+    assert first_layer_whole_faster(n, 100, 2 * n, n // 4, 47)
+    # never when the plan loads each row at most once
+    assert not first_layer_whole_faster(n, 100, n, 0, 0)
+    # the same rule where the executor and the budget decide
+    assert layers_moved_whole(10, [4, 8, 2], 160, 11, False, 3, 12) == [False, True]
+    assert layers_moved_whole(10, [4, 8, 2], 160, 20, False, 3, 2) == [True, True]
+    assert grown_row_memory(30, 4 * 100, 10, [4, 8, 2], 11, False, first_rows=3,
+                            first_stores=12) == 30
+    assert grown_row_memory(30, 4 * 100, 10, [4, 8, 2], 20, False, first_rows=3,
+                            first_stores=2) == 40
 
 
 def test_gradients_kept_between_passes():

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from hongtu.engine import BufferPlan, ChunkSet, Executor, HostBuffers
+from hongtu.engine import BufferPlan, ChunkSet, Executor, HostBuffers, budget, executor
 from hongtu.engine.transfer import BLOCK_LAYOUT
 from hongtu.nn import GNN, build_block, layer_seed, ops, resolve_layer
 from hongtu.nn.block import Block
@@ -548,21 +548,33 @@ def test_resident_arithmetic_on_cpu(layer, chunks, monkeypatch):
 @pytest.mark.parametrize("checkpoint", ["auto", "recompute"])
 @pytest.mark.parametrize("mode", ["overlap", "serial", "kept", "copied-blocks", "resident",
                                   "resident-1", "whole", "whole-serial", "first-whole",
-                                  "ordered"])
-def test_cuda_step_equals_full_graph(layer, checkpoint, mode):
+                                  "first-by-time", "ordered"])
+def test_cuda_step_equals_full_graph(layer, checkpoint, mode, monkeypatch):
     """The GPU paths are exact too: pinned buffers with zero-copy gathers and staged
     flushes, with transfers one batch ahead on their own streams or in program
     order, with rows kept across batches, with chunk blocks copied batch by batch
     (int32 on the host), with every buffer resident on the device, with
     every layer's rows moved whole (one copy each way per pass), with the
     first layer's alone (the others' plan rows in the same memory), and with
-    the first layer's rows copied from its inputs stored in load order."""
+    the first layer's rows copied from its inputs stored in load order. With
+    loads beside stores (a GPU, overlap) the first layer moves whole only where
+    its pass is shorter by link time ("first-by-time"); the whole modes have it
+    move whole wherever its plan loads more rows, as on a CPU."""
+    if "whole" in mode:
+        monkeypatch.setattr(budget, "first_layer_whole_faster",
+                            lambda n, width, load_rows, first_rows, stores: load_rows > n)
+    if mode == "first-by-time":  # (and the CPU run beside it decides as the GPU's)
+        by_time = executor.first_layer_rows
+        monkeypatch.setattr(executor, "first_layer_rows",
+                            lambda plan, widths, cached, overlapped:
+                            by_time(plan, widths, cached, True))
     graph = CASES["self_loops" if mode == "first-whole" else "skewed"](seed=3)
     model = make_model(layer)
     parts, chunks = {"resident-1": (1, 1), "kept": (2, 6), "whole": (2, 6),
-                     "whole-serial": (2, 6), "first-whole": (1, 6)}.get(mode, (2, 3))
+                     "whole-serial": (2, 6), "first-whole": (1, 6),
+                     "first-by-time": (1, 6)}.get(mode, (2, 3))
     kept = 4 if mode == "kept" else 0
-    whole, serial = "whole" in mode, mode.endswith("serial")
+    whole, serial = "whole" in mode or mode == "first-by-time", mode.endswith("serial")
     _, _, on_cpu = chunked_step(copy.deepcopy(model), graph, parts, chunks, checkpoint,
                                 cache_rows=kept, whole=whole)
     res, g, ex = chunked_step(model, graph, parts, chunks, checkpoint, device="cuda",
@@ -573,6 +585,12 @@ def test_cuda_step_equals_full_graph(layer, checkpoint, mode):
     if mode == "first-whole":
         # (GCN's rows are as narrow in both layers: both move whole.)
         assert ex._whole == on_cpu._whole == [True, layer == "gcn"]
+    elif mode == "first-by-time":
+        # the plan loads more rows than the graph has, yet its first pass, which
+        # stores more than it loads, is shorter step by step
+        assert int(ex.plan.plan.load_ids.shape[0]) > g.num_nodes
+        assert ex._whole == on_cpu._whole and ex._whole[1:] == [True] * (model.num_layers - 1)
+        assert not ex._whole[0]
     else:
         assert ex._whole == [whole] * model.num_layers  # (the plan loads some rows twice)
     assert (ex.transfer_plan.cached_rows > 0) == (mode == "kept")
