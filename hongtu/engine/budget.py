@@ -131,8 +131,9 @@ def first_layer_whole_faster(num_rows: int, width: int, load_rows: int, first_ro
     steps' rows travel while it stores (each direction at the link's rate):
     ``r0·w + max((r - r0)·w, n·s)``. A pass that stores more than it loads
     gains from starting early (products-like GCN 3×256, nvidia-h200: forward
-    pass 68 against 86 ms, epoch 0.375 against 0.390 s; R-MAT 2^22 GCN 2×256,
-    the plan loading each row once: 0.204 against 0.218 s).
+    pass 68 against 86 ms, epoch 0.376 against 0.390 s). Never whole when the
+    plan loads no more rows than there are (R-MAT 2^22 GCN 2×256, each row
+    loaded once: 0.204 s step by step against 0.218 s whole).
     """
     whole = num_rows * (width + stores)
     plan = first_rows * width + max((load_rows - first_rows) * width, num_rows * stores)
@@ -141,7 +142,8 @@ def first_layer_whole_faster(num_rows: int, width: int, load_rows: int, first_ro
 
 def first_layer_stores(widths: list[int], cached: list[bool]) -> int:
     """Elements per row the first layer's forward pass writes to host memory:
-    its output rows and, when cached, its aggregate."""
+    its output rows and, when cached, its aggregate (the output counted even
+    where ``h^1`` stays on the device: the rule then leans to step by step)."""
     return widths[1] + (widths[0] if cached[0] else 0)
 
 

@@ -52,8 +52,8 @@ class GNN(nn.Module):
     The ``step_*`` methods take and return the rows as the engine keeps them
     (:meth:`row_widths`).
 
-    With ``keep_dropped``, every other layer ``l > 0`` reads its rows as the
-    engine keeps them, :math:`\mathrm{drop}(h^l)`: layer ``l-1``'s step drops
+    With ``keep_dropped``, each layer ``l > 0`` that does not transform first
+    reads its rows as the engine keeps them, :math:`\mathrm{drop}(h^l)`: layer ``l-1``'s step drops
     out its own rows once (with layer ``l``'s stream, one kernel with the
     activation each way on a GPU) instead of layer ``l`` dropping each chunk's
     copy of its neighbour rows (:meth:`keeps_dropped`). The function is the

@@ -586,8 +586,8 @@ def test_cuda_step_equals_full_graph(layer, checkpoint, mode, monkeypatch):
         # (GCN's rows are as narrow in both layers: both move whole.)
         assert ex._whole == on_cpu._whole == [True, layer == "gcn"]
     elif mode == "first-by-time":
-        # the plan loads more rows than the graph has, yet its first pass, which
-        # stores more than it loads, is shorter step by step
+        # the plan loads more rows than the graph has, yet by link time its
+        # first pass is shorter step by step
         assert int(ex.plan.plan.load_ids.shape[0]) > g.num_nodes
         assert ex._whole == on_cpu._whole and ex._whole[1:] == [True] * (model.num_layers - 1)
         assert not ex._whole[0]
