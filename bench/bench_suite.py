@@ -26,7 +26,9 @@ fewest chunks that fit.
 
 The out-of-core budget is ``--fraction`` (1/4) of the in-memory need: PyG's
 measured peak where PyG fits, else hongtu's resident need (its buffers plus
-one batch); GAT's budget is at most ``--gat-budget`` (24 GiB). Per system: the
+one batch); GAT's budget is at most ``--gat-budget`` (24 GiB). ``--budget``
+sets it outright (an A/B of two trees at one budget without running PyG
+twice: the need, and so the default budget, differs with and without PyG). Per system: the
 median epoch (training step) after ``--warmup`` epochs (3 of 7), peak device memory,
 bytes each way, achieved rate against the pinned-copy peak measured in the
 same run, the time split per stream (host→device, device→host, device↔device,
@@ -331,6 +333,10 @@ def main() -> int:
     ap.add_argument("--fraction", type=float, default=0.25,
                     help="out-of-core budget as a fraction of the in-memory need")
     ap.add_argument("--gat-budget", default="24GiB", help="GAT's budget at most this")
+    ap.add_argument("--budget", default=None,
+                    help="out-of-core budget (bytes or e.g. 4.5GiB) instead of --fraction of "
+                         "the in-memory need: to run hongtu systems at the budget of an "
+                         "earlier run without running PyG again")
     ap.add_argument("--workdir", default="/tmp/hongtu_suite")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
@@ -379,6 +385,8 @@ def main() -> int:
         budget = int(need * args.fraction)
         if layer == "gat":
             budget = min(budget, parse_size(args.gat_budget))
+        if args.budget is not None:
+            budget, need_from = parse_size(args.budget), f"{need_from}; --budget given"
         print(f"{model}: in-memory need {format_size(need)} ({need_from}); out-of-core "
               f"budget {format_size(budget)}", flush=True)
         for s in systems:
