@@ -419,9 +419,9 @@ class Executor:
         # kept (z^l or drop(h^l): no dropout to apply first) aggregate them where
         # they lie, without a gathered copy: whole layers in the row memory,
         # the others in the transition buffer's slots.
-        kept_rows = [model.layers[l].cacheable and model.reads_as_kept(l)
+        as_kept = [model.layers[l].cacheable and model.reads_as_kept(l)
                      for l in range(model.num_layers)]
-        self._in_place = [w and k for w, k in zip(self._whole, kept_rows)]
+        self._in_place = [w and k for w, k in zip(self._whole, as_kept)]
         # So does a cached first layer moving the plan's rows (one process),
         # its rows dropped out once as they arrive (a slot holds one row for
         # the whole pass; backward reads none of them), instead of gathering
@@ -429,7 +429,7 @@ class Executor:
         self._first_in_slots = (not self._direct and comm is None and not self._whole[0]
                                 and self.cached[0])
         self._in_slots = [self._first_in_slots] + [
-            k and not self._direct and not w for w, k in zip(self._whole[1:], kept_rows[1:])]
+            k and not self._direct and not w for w, k in zip(self._whole[1:], as_kept[1:])]
         self._piece = max(chunks.max_rows()[0], 1)  # rows dropped at a time
         # Gradients handed from pass to pass in the row memory.
         self._kept = hand.kept

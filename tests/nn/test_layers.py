@@ -417,10 +417,9 @@ def test_transform_first_steps_agree(l):
                                    rtol=0, atol=ATOL)
 
 
-def test_transform_first_is_the_same_function():
-    """Forward and every parameter gradient equal plain aggregate-then-transform."""
-    model, plain = three_gcn(True), three_gcn(False)
-    x, seeds = features(), [5, 6, 7]
+def assert_same_function(model: GNN, plain: GNN, x: torch.Tensor, seeds: list[int]) -> None:
+    """``model`` and ``plain`` give the same full-graph forward and the same
+    gradient of every parameter."""
     out = model.full_forward(full_block(), x, seeds)
     ref = plain.full_forward(full_block(), x, seeds)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
@@ -429,6 +428,11 @@ def test_transform_first_is_the_same_function():
     ref.backward(g)
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_transform_first_is_the_same_function():
+    """Forward and every parameter gradient equal plain aggregate-then-transform."""
+    assert_same_function(three_gcn(True), three_gcn(False), features(), [5, 6, 7])
 
 
 # ------------------------------------------------------------ kept dropped
@@ -458,27 +462,19 @@ def test_kept_dropped_rows_are_the_same_function(name, activation):
     """Forward and every parameter gradient equal each layer dropping its own
     inputs; the rows layer 0 writes are layer 1's dropout of h^1."""
     model, plain = kept_model(name, True, activation), kept_model(name, False, activation)
-    x, seeds = features(), [5, 6, 7]
-    out = model.full_forward(full_block(), x, seeds)
-    ref = plain.full_forward(full_block(), x, seeds)
-    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
-    g = torch.randn_like(out)
-    out.backward(g)
-    ref.backward(g)
-    for (n, p), q in zip(model.named_parameters(), plain.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=n)
-    block = full_block()
+    x = features()
+    assert_same_function(model, plain, x, [5, 6, 7])
+    block, x_dst = full_block(), x if model.layers[0].needs_dst else None
     with torch.no_grad():
-        h1 = plain.step_forward(0, block, x, x if plain.layers[0].needs_dst else None, 5)
-        d1 = model.step_forward(0, block, x, x if model.layers[0].needs_dst else None, 5, 6)
+        h1 = plain.step_forward(0, block, x, x_dst, 5)
+        d1 = model.step_forward(0, block, x, x_dst, 5, 6)
         torch.testing.assert_close(d1, ops.dropout(h1, block.dst_ids(), 0.5, 6),
                                    rtol=0, atol=0)
         assert (d1 == 0).sum() > (h1 == 0).sum()  # (some rows were dropped)
         model.eval()  # evaluation drops nothing: the rows are h^1 itself
         plain.eval()
-        h1 = plain.step_forward(0, block, x, x if plain.layers[0].needs_dst else None, 5)
-        d1 = model.step_forward(0, block, x, x if model.layers[0].needs_dst else None, 5, 6)
-        torch.testing.assert_close(d1, h1, rtol=0, atol=0)
+        torch.testing.assert_close(model.step_forward(0, block, x, x_dst, 5, 6),
+                                   plain.step_forward(0, block, x, x_dst, 5), rtol=0, atol=0)
 
 
 def test_kept_dropped_steps_agree():
