@@ -15,14 +15,22 @@ Run (GPU machine)::
 The budget is the one ``bench_suite.py`` recorded for this workload and model
 (``--budget`` overrides it). Prints a table and writes
 ``bench/results/passes_<workload>_<model>[_<system>]_<device>.json``.
+
+``--kernels N`` then profiles one more epoch (``torch.profiler``; its times
+are the profiler's, a little longer) and adds, per pass, the device time of
+the kernels it launched: transfers (DMA copies and the zero-copy row kernel)
+and compute, and the ``N`` compute kernels that took longest.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import re
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -88,6 +96,70 @@ def passes(timeline: list, pass_bytes: list, end_bytes: tuple, peak: dict) -> li
     return rows
 
 
+#: kernels that move rows over the host link (or within the device, as copies)
+_TRANSFER = re.compile(r"^(Memcpy|Memset|_copy_rows)")
+
+
+def kernels_per_pass(trace: dict, top: int) -> dict:
+    """Device time of the kernels each pass launched, from a profiler trace whose
+    passes are ``PASS <name>`` annotations: ``transfer_ms`` (copies and the
+    row kernel), ``compute_ms`` and the ``top`` longest compute kernels as
+    ``[name, ms, launches]``. Kernels launched outside any pass (the
+    optimizer's, or work issued between passes) go under ``between``."""
+    ev = trace["traceEvents"]
+    ranges = [(e["ts"], e["ts"] + e["dur"], e["name"][5:]) for e in ev
+              if e.get("cat") == "user_annotation" and e.get("name", "").startswith("PASS ")]
+    # when each kernel was launched (runtime or driver API: Triton's go through the driver)
+    launched = {e["args"]["correlation"]: e["ts"] for e in ev
+                if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                and "correlation" in e.get("args", {})}
+    names = [n for _, _, n in ranges] + ["between"]
+    out = {n: {"transfer_ms": 0.0, "compute_ms": 0.0, "kernels": collections.Counter(),
+               "launches": collections.Counter()} for n in names}
+    for e in ev:
+        if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        t = launched.get(e.get("args", {}).get("correlation"))
+        name = next((n for a, b, n in ranges if t is not None and a <= t <= b), "between")
+        kernel = re.sub(r"[(<].*", "", e["name"]).strip()[:80]
+        rec, ms = out[name], e["dur"] / 1e3
+        if _TRANSFER.match(kernel):
+            rec["transfer_ms"] += ms
+        else:
+            rec["compute_ms"] += ms
+            rec["kernels"][kernel] += ms
+            rec["launches"][kernel] += 1
+    for rec in out.values():
+        rec["top"] = [[k, v, rec["launches"][k]] for k, v in rec["kernels"].most_common(top)]
+        del rec["kernels"], rec["launches"]
+    return out
+
+
+def profile_passes(tr: Trainer, epoch: int, names: list[str], top: int) -> dict:
+    """:func:`kernels_per_pass` of one more (profiled) training epoch of ``tr``."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from hongtu.engine.executor import Executor
+
+    run_pass, count = Executor._run_pass, [0]
+
+    def annotated(self, fetch, run):
+        with record_function(f"PASS {names[count[0] % len(names)]}"):
+            count[0] += 1
+            return run_pass(self, fetch, run)
+
+    Executor._run_pass = annotated
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            tr.run_epoch(epoch, evaluate=False)
+    finally:
+        Executor._run_pass = run_pass
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return kernels_per_pass(json.loads(path.read_text()), top)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("workload", choices=sorted(WORKLOADS))
@@ -99,6 +171,8 @@ def main() -> int:
     ap.add_argument("--budget", default=None,
                     help="device budget (default: the one bench_suite.py recorded)")
     ap.add_argument("--epochs", type=int, default=4, help="epochs; the last is recorded")
+    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+                    help="profile one more epoch: per pass, kernel time and the N longest")
     ap.add_argument("--workdir", default="/tmp/hongtu_passes")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
@@ -153,6 +227,12 @@ def main() -> int:
                 r["d2h_busy_ms"], r["both_ways_ms"], r["gpu_busy_ms"], r["idle_ms"],
                 r["h2d_bytes"] / 1e9, r["d2h_bytes"] / 1e9)
         print(f"{name:<14}" + "".join(f"{v:>10.2f}" for v in vals))
+    if args.kernels:
+        result["kernels"] = profile_passes(tr, args.epochs, names, args.kernels)
+        print("kernels (profiled epoch, ms): pass, transfers, compute, longest compute kernels")
+        for name, rec in result["kernels"].items():
+            print(f"{name:<14}{rec['transfer_ms']:>9.2f}{rec['compute_ms']:>9.2f}  " + "; ".join(
+                f"{k} {ms:.2f}/{n}" for k, ms, n in rec["top"]))
     system = "" if args.system == "hongtu" else f"_{args.system}"
     out = Path(args.out) / f"passes_{args.workload}_{args.model}{system}_{tag}.json"
     out.write_text(json.dumps(result, indent=2))
