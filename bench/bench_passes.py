@@ -18,8 +18,9 @@ The budget is the one ``bench_suite.py`` recorded for this workload and model
 
 ``--kernels N`` then profiles one more epoch (``torch.profiler``; its times
 are the profiler's, a little longer) and adds, per pass, the device time of
-the kernels it launched: transfers (DMA copies and the zero-copy row kernel)
-and compute, and the ``N`` compute kernels that took longest.
+the kernels it launched: transfers (DMA copies, memsets and the row kernel,
+which also adds gradient rows within the device) and compute, and the ``N``
+compute kernels that took longest.
 """
 
 from __future__ import annotations
@@ -96,14 +97,15 @@ def passes(timeline: list, pass_bytes: list, end_bytes: tuple, peak: dict) -> li
     return rows
 
 
-#: kernels that move rows over the host link (or within the device, as copies)
+#: kernels counted as transfers: DMA copies, memsets and the row kernel (zero-copy
+#: loads and stores of host rows, and the gradient rows it adds within the device)
 _TRANSFER = re.compile(r"^(Memcpy|Memset|_copy_rows)")
 
 
 def kernels_per_pass(trace: dict, top: int) -> dict:
     """Device time of the kernels each pass launched, from a profiler trace whose
-    passes are ``PASS <name>`` annotations: ``transfer_ms`` (copies and the
-    row kernel), ``compute_ms`` and the ``top`` longest compute kernels as
+    passes are ``PASS <name>`` annotations: ``transfer_ms`` (:data:`_TRANSFER`),
+    ``compute_ms`` and the ``top`` longest compute kernels as
     ``[name, ms, launches]``. Kernels launched outside any pass (the
     optimizer's, or work issued between passes) go under ``between``."""
     ev = trace["traceEvents"]
