@@ -192,6 +192,10 @@ class EngineConfig:
     ordered_inputs: bool = _f(
         True, "GPU: keep a pinned copy of the input features in the order the first layer "
         "loads them (contiguous copies instead of a gather; costs host memory)")
+    ordered_rows: bool = _f(
+        True, "GPU: the training forward pass writes the rows of later layers that read them "
+        "only through their loads in the order those layers load them (contiguous copies "
+        "instead of a gather; costs host memory)")
     resident: Auto | bool = _f(
         "auto", "keep every buffer on the GPU (HongTu-IM); auto = when it fits device_memory")
     throughput: ThroughputConfig = _f(ThroughputConfig(), "link throughputs for the cost model")

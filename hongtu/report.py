@@ -91,7 +91,8 @@ def _replication(graph: Graph, method: str, seed: int, cache_dir: str,
 
 
 def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h2d_rows: int,
-             d2h_rows: int, hand) -> dict:
+             d2h_rows: int, hand, ordered: list[bool] | None = None, loaded: int = 0,
+             index: tuple[int, int] = (0, 0)) -> dict:
     """Bytes of one training step (forward, loss, backward) as the executor moves them.
 
     ``cached[l]``: layer ``l``'s backward reads no rows, ``stored[l]``: its
@@ -99,9 +100,14 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
     (:class:`~hongtu.engine.executor.Handoffs`): ``whole[l]``, its passes move all
     its rows (and gradients) at once instead of the plan's rows; gradients that
     stay on the device between passes move not at all, nor does ``h^1`` in
-    training where it stays.
+    training where it stays. ``ordered[m]``: training writes ``h^m`` in the
+    order the plan first loads its rows, only the ``loaded`` rows it loads
+    (:func:`~hongtu.engine.executor.ordered_row_layers`), the passes writing and
+    loading them copying ``index`` bytes of index arrays to the device
+    (:func:`~hongtu.engine.executor.first_load_traffic`).
     """
     n = num_nodes
+    ordered = list(ordered or []) + [False] * (len(widths) - len(ordered or []))
     whole, kept, rows_kept = hand.whole, hand.kept, hand.rows_at is not None
     layers = []
     for l in range(len(widths) - 1):
@@ -111,7 +117,8 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
         loads = n * row if all_rows else h2d_rows * row
         # (h^1 left on the device in training, not in evaluation)
         kept_rows = rows_kept and l < 2
-        made = 0 if kept_rows and l == 0 else n * out  # h^{l+1} (∇h^L) stored
+        # h^{l+1} (∇h^L) stored
+        made = 0 if kept_rows and l == 0 else (loaded if ordered[l + 1] else n) * out
         layers.append({
             "layer": l, "width": widths[l], "row_bytes": row, "cached": cached[l],
             "whole": all_rows,
@@ -124,6 +131,8 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
             "aggregate_h2d_bytes": n * row if stored[l] else 0,
             # own rows h^l[V] (forward and backward), ∇h^{l+1}[V] in backward
             "range_h2d_bytes": 2 * dst + (0 if kept[l + 1] else n * out),
+            # where rows written in first-load order go and come from
+            "index_h2d_bytes": index[0] * ordered[l + 1] + index[1] * ordered[l],
             # h^{l+1}[V] (∇h^L for the last layer), ∇h^l[V] of the own rows
             # (added on the device when the layer's gradients stay there whole)
             "range_d2h_bytes": (0 if l == len(widths) - 2 and kept[-1] else made)
@@ -134,7 +143,7 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
     t.pop("row_bytes")
     t["neighbour_bytes"] = t["forward_bytes"] + t["backward_reload_bytes"] + t["flush_bytes"]
     t["h2d_bytes"] = (t["forward_bytes"] + t["backward_reload_bytes"] + t["aggregate_h2d_bytes"]
-                      + t["range_h2d_bytes"])
+                      + t["range_h2d_bytes"] + t["index_h2d_bytes"])
     t["d2h_bytes"] = t["flush_bytes"] + t["aggregate_d2h_bytes"] + t["range_d2h_bytes"]
     t["contiguous_bytes"] = t["h2d_bytes"] + t["d2h_bytes"] - t["neighbour_bytes"]
     return {"layers": layers, "epoch": t}
@@ -160,6 +169,8 @@ class _Setting:
     device_bytes: int
     #: elements of the device row memory (:func:`~hongtu.engine.budget.grown_row_memory`)
     row_elements: int
+    #: training writes rows in first-load order (:func:`~hongtu.engine.executor.ordered_rows_room`)
+    ordered: bool = False
 
 
 def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict,
@@ -173,9 +184,10 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
         leftover_bytes,
         resident_block_bytes,
         row_memory,
+        slot_widths,
         spare_rows,
     )
-    from hongtu.engine.executor import first_layer_rows, reads_rows_once
+    from hongtu.engine.executor import first_layer_rows, ordered_rows_room, reads_rows_once
 
     e = ctx["engine"]
     part = chunk_partition(graph, assignment, n, num_parts=m, method=e.partitioner,
@@ -199,6 +211,8 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
             buffer_rows=max(p.buffer_rows for p in devs), overlap=e.overlap,
             load_rows=max(p.max_later_load for p in devs))
 
+    once = reads_rows_once(ctx["model"], e.checkpoint)
+
     def cache_rows(needs) -> int:
         # As training does: the budget the plan leaves keeps reused rows resident.
         extra, _ = spare_rows(ctx["budget"], need_of(needs),
@@ -211,10 +225,16 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
                           row_bytes=rb, neighbours=nb, cache_rows=cache_rows)
     # As training does: what the budget still leaves may let a layer move whole.
     need, first, widths = need_of(plan.plans), plan.plans[0], ctx["model"].row_widths()
+    most = int(sizes.num_dst.max())
+    # (as training decides: rows written in first-load order where their index arrays fit)
+    spare = leftover_bytes(ctx["budget"], need, resident_block_bytes(sizes, ctx["itemsize"]))[0]
+    index_bytes = ordered_rows_room(first, once, e.ordered_rows and ctx["overlapped"], spare,
+                                    most, most * slot_widths(ctx["model"])["grad"]
+                                    * ctx["itemsize"])
+    need += index_bytes or 0
     plan_rows = row_memory(first.buffer_rows, widths, first.max_later_load if e.overlap else 0)
     left, _ = leftover_bytes(ctx["budget"], need, resident_block_bytes(sizes, ctx["itemsize"]))
     left = left if e.whole_layers else None
-    once = reads_rows_once(ctx["model"], e.checkpoint)
     first_rows, first_stores = first_layer_rows(
         first, widths, ctx["model"].cached_layers(e.checkpoint), ctx["overlapped"])
     rows = grown_row_memory(plan_rows, left, graph.num_nodes, widths,
@@ -222,7 +242,7 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
                             keep_rows=len(once) > 1 and once[1], first_rows=first_rows,
                             first_stores=first_stores)
     return _Setting(part, plan, name, candidates, need + (rows - plan_rows) * ctx["itemsize"],
-                    rows)
+                    rows, index_bytes is not None)
 
 
 def _alternatives(n: int, smallest: int, chosen_list: list[int] | None) -> list[int]:
@@ -300,7 +320,14 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     """
     import torch
 
-    from hongtu.engine.executor import plan_handoffs, reads_rows_once
+    from hongtu.engine.executor import (
+        first_in_place,
+        first_load_traffic,
+        first_loaded_rows,
+        ordered_row_layers,
+        plan_handoffs,
+        reads_rows_once,
+    )
     from hongtu.engine.trainer import load_data
     from hongtu.nn.model import build_model
 
@@ -349,8 +376,14 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         hand = plan_handoffs(n, widths, s.row_elements, first,
                              first.max_later_load if e.overlap else 0, e.devices > 1, cached,
                              once, enabled=e.whole_layers, overlapped=ctx["overlapped"])
+        # (the rows every process loads; modelled where each one's first step fills 0..n-1)
+        ordered = ordered_row_layers(first, hand.whole, once, s.ordered
+                                     and all(first_in_place(p) for p in plan.plans))
+        loaded = sum(first_loaded_rows(p) for p in plan.plans) if any(ordered) else 0
+        index = tuple(map(sum, zip(*(first_load_traffic(p) for p in plan.plans)))) \
+            if any(ordered) else (0, 0)
         return _traffic(widths, cached, stored, needs_dst, itemsize, n, plan.h2d_rows,
-                        plan.d2h_rows, hand)
+                        plan.d2h_rows, hand, ordered, loaded, index)
 
     t0 = time.perf_counter()
     memory = []

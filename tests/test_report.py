@@ -132,7 +132,14 @@ def test_alpha_skips_part_counts_above_half_the_vertices(tmp_path):
     ["model.layer=gat", "model.heads=2", "model.hidden=8", "engine.partitioner=random"],
     ["engine.parts=1"],
     ["engine.parts=1", "model.layers=3"],
-], ids=["gcn-cached", "sage-no-reuse", "gat-recomputed", "gcn-whole", "gcn3-whole"])
+    pytest.param(["engine.accelerator=cuda", "engine.resident=false",
+                  "engine.whole_layers=false", "engine.ordered_inputs=false"],
+                 marks=pytest.mark.gpu),
+    pytest.param(["engine.accelerator=cuda", "engine.resident=false",
+                  "engine.whole_layers=false", "engine.ordered_inputs=false", "model.layers=3"],
+                 marks=pytest.mark.gpu),
+], ids=["gcn-cached", "sage-no-reuse", "gat-recomputed", "gcn-whole", "gcn3-whole",
+        "gpu-ordered-rows", "gpu3-ordered-rows"])
 def test_predicted_bytes_equal_what_the_engine_moves(tmp_path, extra):
 
     cfg = load_config(CONFIG, base(tmp_path, f"output.dir={tmp_path / 'run'}", *extra))
@@ -145,11 +152,28 @@ def test_predicted_bytes_equal_what_the_engine_moves(tmp_path, extra):
         # a pass counts for forward and for each gradient flush that happens
         assert [x["passes"] for x in transfers["layers"]] == [1] + [
             1 + (not ex._kept[l]) for l in range(1, len(ex._whole))]
+    # (on a GPU the training forward writes later layers' rows in load order)
+    assert bool(trainer.executor.ordered_rows) == ("engine.accelerator=cuda" in extra)
     step = trainer.run_epoch(0, evaluate=False)
     assert (step["h2d_bytes"], step["d2h_bytes"]) == (epoch["h2d_bytes"], epoch["d2h_bytes"])
     both = trainer.run_epoch(1, evaluate=True)
     moved = both["h2d_bytes"] + both["d2h_bytes"] - step["h2d_bytes"] - step["d2h_bytes"]
     assert moved == epoch["evaluation_bytes"]
+
+
+def test_rows_written_in_load_order_are_the_loaded_rows():
+    """The report's model of rows written in load order (engine.ordered_rows,
+    GPU): a training step stores only the rows the plan loads of that layer
+    (each once), and loads what it loaded before; evaluation is unchanged."""
+    from hongtu.engine.executor import Handoffs
+    from hongtu.report import _traffic
+
+    hand = Handoffs([False, False, False], [False] * 4, None)
+    args = ([8, 16, 16, 3], [True] * 3, [True] * 3, [False] * 3, 4, 100, 300, 200, hand)
+    plain, ordered = _traffic(*args), _traffic(*args, [False, True, True], 90)
+    p, o = plain["epoch"], ordered["epoch"]
+    assert (o["h2d_bytes"], o["evaluation_bytes"]) == (p["h2d_bytes"], p["evaluation_bytes"])
+    assert p["d2h_bytes"] - o["d2h_bytes"] == 2 * 10 * 16 * 4  # h^1 and h^2, 10 rows each
 
 
 def _midpoint_budget(tmp_path) -> int:

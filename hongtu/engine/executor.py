@@ -42,8 +42,15 @@ from hongtu.engine.budget import first_layer_stores, row_memory, slot_widths, wh
 from hongtu.engine.buffers import HostBuffers, available_host_memory
 from hongtu.engine.chunks import ChunkSet
 from hongtu.engine.comm import Comm
-from hongtu.engine.pinned import pinned_tensor
-from hongtu.engine.transfer import Mover, Ticket, add_rows, engine_kernels, pin_blocks
+from hongtu.engine.pinned import pinned_copies, pinned_tensor
+from hongtu.engine.transfer import (
+    IndexRing,
+    Mover,
+    Ticket,
+    add_rows,
+    engine_kernels,
+    pin_blocks,
+)
 from hongtu.nn import ops
 from hongtu.nn.block import Block
 from hongtu.nn.model import GNN, layer_seed
@@ -238,6 +245,129 @@ def _rows_in_order(h: Tensor, ids: np.ndarray, pin: bool) -> Tensor:
     return out
 
 
+def first_in_place(plan: DevicePlan) -> bool:
+    """Whether ``plan``'s first step loads its rows into slots ``0..n-1`` in
+    order (one contiguous copy can bring them straight into the buffer)."""
+    n0 = int(plan.load_ptr[1]) if plan.num_steps else 0
+    return bool(np.array_equal(np.asarray(plan.load_slots[:n0]), np.arange(n0)))
+
+
+def ordered_row_layers(plan: DevicePlan, whole: list[bool], once: list[bool],
+                       enabled: bool = True) -> list[bool]:
+    """Per layer ``m``: whether a training forward pass may write ``h^m`` in the
+    order ``plan`` first loads its rows (the executor's ``ordered_rows``; host
+    room aside): a later layer (not the first) that reads its rows only
+    through its loads (``once``, :func:`reads_rows_once`) and moves the plan's
+    rows (not ``whole``), where the first step's rows land in slots ``0..n-1``."""
+    ok = enabled and first_in_place(plan)
+    return [ok and m > 0 and once[m] and not whole[m] for m in range(len(whole))]
+
+
+def first_loaded_rows(plan: DevicePlan) -> int:
+    """The distinct rows ``plan`` loads."""
+    return int(np.unique(np.asarray(plan.load_ids)).shape[0])
+
+
+def first_load_index_bytes(plan: DevicePlan, max_chunk_rows: int, slot_bytes: int = 0) -> int:
+    """Device bytes the index arrays of rows written in first-load order (a GPU,
+    :class:`_FirstLoads`) add: two slots each for a chunk's (where its rows go,
+    which rows) and a step's (rows loaded again, the slots of its loads), int64
+    — none when one of each fits ``slot_bytes``, the size of each of the
+    Mover's two gradient slots, which forward passes leave unused
+    (:meth:`~hongtu.engine.transfer.Mover.forward_spare`)."""
+    p = np.asarray(plan.load_ptr, dtype=np.int64)
+    step = int(2 * np.diff(p)[1:].max()) if plan.num_steps > 1 else 0
+    arrays = 8 * (2 * int(max_chunk_rows) + step)
+    return 0 if arrays <= slot_bytes else 2 * arrays
+
+
+def ordered_rows_room(plan: DevicePlan, once: list[bool], enabled: bool, left: int | None,
+                      max_chunk_rows: int, slot_bytes: int) -> int | None:
+    """Device bytes for writing rows in first-load order (its index arrays,
+    :func:`first_load_index_bytes`) where some layer may (:func:`ordered_row_layers`,
+    ``enabled``: a GPU with overlap, out of core) and the budget's leftover
+    ``left`` holds them (``None``: no budget); else ``None``: rows are gathered."""
+    if not enabled or not any(ordered_row_layers(plan, [False] * len(once), once)):
+        return None
+    need = first_load_index_bytes(plan, max_chunk_rows, slot_bytes)
+    return need if left is None or need <= left else None
+
+
+def first_load_traffic(plan: DevicePlan) -> tuple[int, int]:
+    """Bytes of those index arrays per pass (host→device, a GPU): ``(a pass that
+    writes rows in first-load order, a pass that loads them)``."""
+    loads = int(plan.load_ids.shape[0])
+    loaded = first_loaded_rows(plan)
+    first = int(plan.load_ptr[1]) if plan.num_steps else 0
+    return 16 * loaded, 8 * (loads - first + loads - loaded)
+
+
+@dataclass
+class _FirstLoads:
+    """A plan's loads in first-load order: the rows it loads, each once, in the
+    order of their first load (``cid`` numbers them so), for rows a forward pass
+    writes where the next layer's steps load them as one contiguous run each
+    (a row's later loads, after it left the buffer, gather it from there).
+    Index arrays are int64 host tensors (pinned for a GPU, which copies each
+    to the device one batch ahead)."""
+
+    #: rows loaded at all (``cid`` runs ``0 .. count-1``)
+    count: int
+    #: per step ``s``: its first loads are ``cid`` ``run[s] .. run[s+1]-1``
+    run: np.ndarray
+    #: per step: ``(again, ids)``: ``ids`` holds the ``cid`` of the step's
+    #: ``again`` loads of rows loaded before (sorted), then the slots of all
+    #: its loads, first loads first
+    steps: list
+    #: per chunk: its loaded rows' ``cid`` (sorted), then which of the chunk's
+    #: rows each is
+    chunks: dict
+
+    def largest(self) -> tuple[int, int]:
+        """Elements of the longest chunk array and of the longest step array
+        (steps after the first: the first loads all rows as one run)."""
+        return (max((int(t.numel()) for t in self.chunks.values()), default=0),
+                max((int(t.numel()) for _, t in self.steps[1:]), default=0))
+
+
+def _first_loads(plan: DevicePlan, chunks: ChunkSet, pin: bool) -> _FirstLoads:
+    """The :class:`_FirstLoads` of ``plan`` (host rows of ``chunks``)."""
+    ids = np.asarray(plan.load_ids, dtype=np.int64) - chunks.row0
+    slots = np.asarray(plan.load_slots, dtype=np.int64)
+    order = np.argsort(ids, kind="stable")
+    by_id = ids[order]
+    starts = np.ones(by_id.shape[0], dtype=bool)
+    starts[1:] = by_id[1:] != by_id[:-1]
+    first = np.zeros(ids.shape[0], dtype=bool)
+    first[order[starts]] = True  # (a stable sort: the earliest load of each row)
+    uniq = by_id[starts]
+    cid_of_uniq = (np.cumsum(first) - 1)[order[starts]]
+    cid = cid_of_uniq[np.searchsorted(uniq, ids)]
+    run = np.zeros(plan.num_steps + 1, dtype=np.int64)
+    arrays = []
+    for s in range(plan.num_steps):
+        a, b = int(plan.load_ptr[s]), int(plan.load_ptr[s + 1])
+        f = first[a:b]
+        run[s + 1] = run[s] + int(f.sum())
+        again = np.flatnonzero(~f)
+        again = again[np.argsort(cid[a:b][again], kind="stable")]
+        arrays.append(np.concatenate([cid[a:b][again], slots[a:b][f], slots[a:b][again]]))
+        arrays[-1] = (int(again.shape[0]), arrays[-1])
+    places = {}
+    for c in sorted({int(c) for c in plan.chunk_ids}):
+        v0, v1 = chunks.range(c)
+        a, b = np.searchsorted(uniq, [v0, v1])
+        sort = np.argsort(cid_of_uniq[a:b], kind="stable")
+        places[c] = np.concatenate([cid_of_uniq[a:b][sort], uniq[a:b][sort] - v0])
+    host = [torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))
+            for x in [a for _, a in arrays] + list(places.values())]
+    if pin:
+        host = pinned_copies(host)
+    steps = [(again, t) for (again, _), t in zip(arrays, host)]
+    return _FirstLoads(int(uniq.shape[0]), run, steps,
+                       dict(zip(places, host[len(arrays):])))
+
+
 class _PlanOnDevice:
     """A :class:`DevicePlan`'s index arrays on the compute device, sliced per step."""
 
@@ -345,6 +475,15 @@ class Executor:
             plan loads them (pinned), so the first layer's step loads are one
             contiguous copy each (DMA) instead of a gather; host buffers only,
             with overlap on a GPU (where the rows land in the staging area).
+        ordered_rows: a training forward pass writes ``h^l`` of a later layer
+            that reads its rows only through the plan's loads (cached, not its
+            own rows: :func:`reads_rows_once`; not moved whole) straight in the
+            order the plan first loads them, each loaded row once (pinned,
+            another buffer of those rows), so that layer's step brings its
+            first loads as one contiguous copy (DMA) and gathers only rows
+            loaded again; evaluation writes ``h^l`` as before. Same
+            conditions as ``ordered_inputs``, and the plan's first step must
+            load into slots ``0..n-1``.
     """
 
     def __init__(self, model: GNN, chunks: ChunkSet, buffers: HostBuffers, labels: Tensor,
@@ -352,7 +491,8 @@ class Executor:
                  checkpoint: str = "auto", seed: int = 0, resident_blocks: bool = True,
                  comm: Comm | None = None, num_train: int | None = None,
                  overlap: bool = True, whole_layers: bool = True,
-                 row_elements: int | None = None, ordered_inputs: bool = False) -> None:
+                 row_elements: int | None = None, ordered_inputs: bool = False,
+                 ordered_rows: bool = False) -> None:
         self.model = model
         self.chunks = chunks
         self.buf = buffers
@@ -399,15 +539,40 @@ class Executor:
         self._whole = hand.whole
         # h^0's rows in load order: step s's loads are rows load_ptr[s]:load_ptr[s+1]
         # (not when host memory would not hold the copy: the rows are gathered then).
-        self._ordered, self._first_in_place = None, False
-        copy_bytes = int(plan.load_ids.shape[0]) * widths[0] * buffers.h[0].element_size()
+        self._ordered = None
+        self._first_in_place = first_in_place(plan)
+        self._store_ids = self._load_ids = None
+        load_rows = int(plan.load_ids.shape[0])
+        itemsize = buffers.h[0].element_size()
+        copy_bytes = load_rows * widths[0] * itemsize
         room = _HOST_SHARE * available_host_memory() if device.type == "cuda" else float("inf")
         if ordered and not self._whole[0] and 0 < copy_bytes <= room:
             self._ordered = _rows_in_order(buffers.h[0], np.asarray(plan.load_ids) - chunks.row0,
                                            pin=device.type == "cuda")
-            n0 = int(plan.load_ptr[1])  # the first step's rows land in slots 0..n0-1?
-            self._first_in_place = bool(np.array_equal(np.asarray(plan.load_slots[:n0]),
-                                                       np.arange(n0)))
+            room -= copy_bytes
+        # Later layers' rows written in first-load order by the training forward pass.
+        self._ordered_rows: list[Tensor | None] = [None] * len(widths)
+        may = ordered_row_layers(plan, self._whole, reads_rows_once(model, checkpoint),
+                                 ordered_rows and not self._direct and not self.resident
+                                 and (overlap or device.type == "cpu"))
+        self._first_loads = _first_loads(plan, chunks, device.type == "cuda") \
+            if any(may) else None
+        loaded = self._first_loads.count if self._first_loads is not None else 0
+        for m in range(1, model.num_layers):
+            nbytes = loaded * widths[m] * itemsize
+            if may[m] and 0 < nbytes <= room:
+                shape = (loaded, widths[m])
+                self._ordered_rows[m] = (pinned_tensor(shape, self.dtype)
+                                         if device.type == "cuda"
+                                         else torch.empty(shape, dtype=self.dtype))
+                room -= nbytes
+        if not any(t is not None for t in self._ordered_rows):
+            self._first_loads = None
+        else:  # (their index arrays: on a GPU, two in flight for stores and for loads)
+            chunk_ids, step_ids = self._first_loads.largest()
+            spare = self.mover.forward_spare([chunk_ids, step_ids])
+            self._store_ids = IndexRing(self.mover, chunk_ids, spare and spare[0])
+            self._load_ids = IndexRing(self.mover, step_ids, spare and spare[1])
         self.labels = labels.to(device)
         self.num_train = max(int(masks["train"].sum()) if num_train is None else num_train, 1)
         # For the loss: the split masks side by side (their sizes are constant:
@@ -493,6 +658,16 @@ class Executor:
         t = self._ordered
         return 0 if t is None else t.numel() * t.element_size()
 
+    @property
+    def ordered_rows(self) -> list[int]:
+        """Layers whose rows a training forward pass writes in load order."""
+        return [m for m, t in enumerate(self._ordered_rows) if t is not None]
+
+    @property
+    def ordered_row_bytes(self) -> int:
+        """Host bytes of the rows written in load order (:attr:`ordered_rows`)."""
+        return sum(t.numel() * t.element_size() for t in self._ordered_rows if t is not None)
+
     # ------------------------------------------------------------- helpers
     def _fetch_block(self, c: int, skip: tuple[str, ...] = ()):
         """Chunk ``c``'s block, or (blocks not resident) a ticket for its copy
@@ -540,9 +715,12 @@ class Executor:
         else:
             self.buf.grad[l].index_add_(0, block.src_ids, g)
 
-    def _fetch_rows(self, l: int, i: int, s: int, first: bool, tbuf: Tensor):
+    def _fetch_rows(self, l: int, i: int, s: int, first: bool, tbuf: Tensor,
+                    train: bool = False):
         """The rows of ``h^l`` item ``i`` brings: a whole layer's all at the first
-        item; otherwise the step's new neighbour rows at its first chunk."""
+        item; otherwise the step's new neighbour rows at its first chunk (from
+        their copy in load order where there is one: the inputs', or in a
+        training forward pass a later layer's, :attr:`_ordered_rows`)."""
         if self._direct:
             return None
         if self._whole[l]:
@@ -554,6 +732,18 @@ class Executor:
             p = self.plan.plan.load_ptr
             return self.mover.fetch_run(self._ordered, int(p[s]), int(p[s + 1]), slots, tbuf,
                                         direct=s == 0)
+        if l > 0 and train and self._ordered_rows[l] is not None:
+            fl = self._first_loads
+            a, b = int(fl.run[s]), int(fl.run[s + 1])
+            if s == 0:  # (all first loads, into slots 0..n-1)
+                return self.mover.fetch_run(self._ordered_rows[l], a, b, None, tbuf, direct=True)
+            again, arr = fl.steps[s]
+            ticket, k = self._load_ids.fetch(arr)  # (on the load stream, as the rows)
+            ids = ticket.value
+            rows = self.mover.fetch_run_and_rows(self._ordered_rows[l], a, b, ids[:again],
+                                                 ids[again:], tbuf)
+            rows.ring = (self._load_ids, k)  # (its slot is free once the rows are placed)
+            return rows
         return self.mover.fetch_rows(self.buf.h[l], ids, slots, tbuf, direct=s == 0)
 
     def _place_dropped(self, rows: Ticket, s: int, tbuf: Tensor, seed: int) -> None:
@@ -647,20 +837,26 @@ class Executor:
                 ahead = self._ahead if l == 0 and i == 0 else None
                 self._ahead = None
                 rows = None if l == 1 and keep else ahead[0] if ahead is not None \
-                    else self._fetch_rows(l, i, s, first, tbuf)
+                    else self._fetch_rows(l, i, s, first, tbuf, train)
                 dst = mv.fetch_range(buf.h[l], v0, v1, "dst") if layer.needs_dst else None
+                # where its rows go, when the next layer's are written in first-load order
+                places = self._store_ids.fetch(self._first_loads.chunks[c]) \
+                    if train and l + 1 < L and self._ordered_rows[l + 1] is not None else None
                 return rows, dst, ahead[1] if ahead is not None else self._fetch_block(
-                    c, self._forward_skip(l))
+                    c, self._forward_skip(l)), places
 
             def run(i, fetched, fetch_next, l=l, layer=layer, seed=seed, nxt=nxt, tbuf=tbuf):
                 s, q, c, _, _ = plan.items[i]
-                rows, dst, block = fetched
+                rows, dst, block, places = fetched
                 in_slots = self._in_slots[l]
                 if rows is not None:
                     if l == 0 and in_slots and train:
                         self._place_dropped(rows, s, tbuf, seed)
                     else:
                         mv.place(rows)
+                        if getattr(rows, "ring", None) is not None:
+                            ring, k = rows.ring
+                            ring.release(k, mv.compute)
                     self._exchange(s, tbuf)
                 fetch_next()
                 block = self._take_block(block)
@@ -687,6 +883,12 @@ class Executor:
                     mv.store_range(buf.agg[l], v0, a)
                 if l == 0 and keep:
                     self._whole_rows(1)[v0:v1].copy_(out)
+                elif l < L - 1 and train and self._ordered_rows[l + 1] is not None:
+                    ticket, k = places
+                    ids = mv.take(ticket)
+                    n = ids.shape[0] // 2
+                    mv.store_rows(self._ordered_rows[l + 1], ids[:n], out, ids[n:])
+                    self._store_ids.release(k, mv.s_out)
                 elif l < L - 1:
                     mv.store_range(buf.h[l + 1], v0, out)
                 elif not train:

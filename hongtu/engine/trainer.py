@@ -35,13 +35,20 @@ from hongtu.engine.budget import (
     leftover_bytes,
     resident_block_bytes,
     row_memory,
+    slot_widths,
     spare_rows,
 )
 from hongtu.engine.buffers import BufferPlan, HostBuffers
 from hongtu.engine.checkpoint import CHECKPOINT, atomic_torch_save, load_checkpoint, save_checkpoint
 from hongtu.engine.chunks import ChunkSet
 from hongtu.engine.comm import in_distributed_launch, init_from_env
-from hongtu.engine.executor import Executor, first_layer_rows, plan_handoffs, reads_rows_once
+from hongtu.engine.executor import (
+    Executor,
+    first_layer_rows,
+    ordered_rows_room,
+    plan_handoffs,
+    reads_rows_once,
+)
 from hongtu.errors import UserError
 from hongtu.graph import Graph
 from hongtu.nn.model import GNN, build_model, describe_layers
@@ -215,11 +222,18 @@ class Trainer:
             neighbours=neighbours)
         self.plan_s = time.perf_counter() - t_plan
         self.estimate = estimate(self.transfer_plan.plans[rank])
+        dplan, widths = self.transfer_plan.plans[rank], self.model.row_widths()
+        # Rows written in first-load order where the budget holds their index arrays.
+        index_bytes = ordered_rows_room(
+            dplan, once, e.ordered_rows and self.device.type == "cuda" and e.overlap
+            and not self.resident, leftover_bytes(self.room, self.estimate, blocks)[0],
+            int(sizes.num_dst.max()),
+            int(sizes.num_dst.max()) * slot_widths(self.model, stored)["grad"] * itemsize)
+        self.estimate += index_bytes or 0
         # (Kept rows only take what the blocks leave, when the blocks fit.) What
         # the budget still leaves may let a layer's rows move whole.
         left, self.blocks_fit = leftover_bytes(self.room, self.estimate, blocks)
         left = None if self.resident or not e.whole_layers else left
-        dplan, widths = self.transfer_plan.plans[rank], self.model.row_widths()
         stage = dplan.max_later_load if e.overlap else 0  # staging rows of the row memory
         plan_rows = row_memory(dplan.buffer_rows, widths, stage)
         cached = self.model.cached_layers(e.checkpoint)
@@ -266,7 +280,8 @@ class Trainer:
             resident_blocks=self.blocks_fit, comm=self.comm, num_train=int(np.sum(g.train_mask)),
             overlap=e.overlap, whole_layers=e.whole_layers,
             row_elements=None if self.resident else row_elements,
-            ordered_inputs=e.ordered_inputs and self.device.type == "cuda")
+            ordered_inputs=e.ordered_inputs and self.device.type == "cuda",
+            ordered_rows=index_bytes is not None)
         split["executor_s"] = time.perf_counter() - t
         ex, rows = self.executor, []
         if ex.whole_layers:
@@ -278,6 +293,10 @@ class Trainer:
         if ex.ordered_input_bytes:
             rows.append(f"first layer's inputs kept in load order (engine.ordered_inputs): "
                         f"{format_size(ex.ordered_input_bytes)} of pinned host memory")
+        if ex.ordered_rows:
+            rows.append("rows written in load order by the training forward pass "
+                        "(engine.ordered_rows): h^" + ", h^".join(map(str, ex.ordered_rows))
+                        + f", {format_size(ex.ordered_row_bytes)} of pinned host memory")
         if rows:
             self.out("\n".join(rows))
         self.optimizer = self._optimizer()

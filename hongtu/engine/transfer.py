@@ -56,7 +56,7 @@ from torch import Tensor
 
 from hongtu.engine.pinned import device_view, is_device_view, pinned_copies, pinned_tensor
 
-__all__ = ["Mover", "Ticket", "Traffic", "add_rows", "copy_rows"]
+__all__ = ["IndexRing", "Mover", "Ticket", "Traffic", "add_rows", "copy_rows"]
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -328,6 +328,30 @@ class Mover:
             self._views[key] = device_view(host, self.device) if host.is_pinned() else None
         return self._views[key]
 
+    def forward_spare(self, sizes: list[int]) -> list[list[Tensor]] | None:
+        """Device memory forward passes leave unused, as int64 arrays of
+        ``sizes`` elements, two of each (one per slot of the gradient ring,
+        which only backward passes fill); ``None`` where they do not fit.
+        Whoever writes them there must not let a backward pass's load of
+        ``∇h^{l+1}`` overtake its last read (loads wait for compute issued
+        before them, and a pass's first for the stores before it)."""
+        ring = self._dev.get("grad")
+        if not self.overlap or not ring:
+            return None
+        out = [[], []]
+        for buf in ring:
+            if buf.element_size() not in (4, 8):
+                return None
+            words = buf[: buf.numel() - buf.numel() % (8 // buf.element_size())]
+            words = words.view(torch.int64)
+            if words.numel() < sum(sizes):
+                return None
+            at = 0
+            for k, n in enumerate(sizes):
+                out[k].append(words[at:at + n])
+                at += n
+        return out
+
     def _count(self, host: Tensor, direction: str, rows: int, width: int) -> None:
         """Count rows crossing the host link (nothing when ``host`` lives on the device)."""
         if self.cuda and host.device.type == "cuda":
@@ -489,6 +513,28 @@ class Mover:
             out.copy_(src, non_blocking=True)
         return Ticket(out, self._ready_event(self.s_in), slots, buf)
 
+    def fetch_run_and_rows(self, host: Tensor, start: int, stop: int, ids: Tensor,
+                           slots: Tensor, buf: Tensor) -> Ticket:
+        """Start ``buf[slots] = host[start:stop]`` then ``host[ids]``, rows in that
+        order: one contiguous copy (DMA) and a gather (zero-copy on a GPU),
+        into the staging area one after the other; finish it with
+        :meth:`place`. ``ids`` and ``slots`` are int64 tensors on the device."""
+        k, width = stop - start, int(host.shape[1])
+        rows = k + int(ids.shape[0])
+        if rows == 0:
+            return Ticket(None)
+        self._count(host, "h2d", rows, width)
+        if not self.cuda or host.device.type == "cuda":
+            buf.index_copy_(0, slots, torch.cat([host[start:stop], host.index_select(0, ids)]))
+            return Ticket(None)
+        if not self.overlap:
+            raise ValueError("fetch_run_and_rows lands rows in the staging area (overlap only)")
+        out = self._rows_stage[: rows * width].view(rows, width)
+        with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
+            out[:k].copy_(host[start:stop], non_blocking=True)
+            copy_rows(self._view(host), out[k:], ids)
+        return Ticket(out, self._ready_event(self.s_in), slots, buf)
+
     def loaded(self) -> Ticket:
         """A ticket that :meth:`place` finds ready once every load issued so far
         has landed (nothing to put)."""
@@ -644,6 +690,22 @@ class Mover:
             copy_rows(value, self._view(host), dst_ids=ids)
         self._keep(value)
 
+    def store_rows(self, host: Tensor, ids: Tensor, value: Tensor, rows: Tensor) -> None:
+        """``host[ids] = value[rows]`` (``ids`` unique, ``rows`` may repeat; device
+        tensors): on a GPU one kernel on the store stream, scattering the rows
+        straight into pinned host memory (zero-copy)."""
+        n = int(ids.shape[0])
+        if n == 0:
+            return
+        self._count(host, "d2h", n, int(value.shape[1]))
+        value = value.detach()
+        if not self.cuda or host.device.type == "cuda":
+            host.index_copy_(0, ids, value.index_select(0, rows))
+            return
+        with self._on(self.s_out), self.timing("time_d2h_s", self.s_out):
+            copy_rows(value, self._view(host), src_ids=rows, dst_ids=ids)
+        self._keep(value)
+
     def flush_rows(self, host: Tensor, ids: np.ndarray, slots: Tensor, buf: Tensor,
                    ids_dev: Tensor | None = None) -> None:
         """``host[ids] += buf[slots]``: gradients of rows leaving the device buffer.
@@ -693,6 +755,51 @@ class Mover:
         t0 = time.perf_counter()
         _add_into(host, where, vals)
         self.traffic.time_cpu_s += time.perf_counter() - t0
+
+
+class IndexRing:
+    """Small int64 index arrays on their way to the device, two in flight.
+
+    :meth:`fetch` copies a pinned host array into the next of two device
+    slots on the load stream, after whatever read that slot last is done
+    (:meth:`release`, on the stream that read it), and counts its bytes as
+    host→device traffic. Without a GPU (or overlap) the host array is used
+    as it is.
+    """
+
+    def __init__(self, mover: Mover, numel: int, memory: list[Tensor] | None = None) -> None:
+        self.mover = mover
+        if not (mover.cuda and mover.overlap):
+            self.bufs = None
+        elif memory:  # (int64 views of memory forward passes leave unused)
+            self.bufs = memory
+        else:
+            self.bufs = [torch.empty(max(int(numel), 1), dtype=torch.int64, device=mover.device)
+                         for _ in range(2)]
+        self.free: list = [None] * 2
+        self.turn = 0
+
+    def fetch(self, host: Tensor) -> tuple[Ticket, int]:
+        """``(ticket, slot)``: the array on the device (:meth:`Mover.take` it, or
+        use it on the load stream) and the slot to :meth:`release`."""
+        if self.bufs is None:
+            return Ticket(host), 0
+        mv, k = self.mover, self.turn
+        self.turn = (k + 1) % len(self.bufs)
+        out = self.bufs[k][: host.numel()]
+        # (after compute issued so far: the slot may be memory backward reads)
+        with mv._on(mv.s_in), mv.timing("time_h2d_s", mv.s_in):
+            if self.free[k] is not None:
+                mv.s_in.wait_event(self.free[k])
+            out.copy_(host, non_blocking=True)
+        mv.traffic.h2d_bytes += host.numel() * host.element_size()
+        return Ticket(out, mv._ready_event(mv.s_in)), k
+
+    def release(self, k: int, stream) -> None:
+        """Slot ``k``'s array is read by work issued so far on ``stream`` only."""
+        if self.bufs is not None:
+            self.free[k] = torch.cuda.Event()
+            self.free[k].record(stream)
 
 
 def _add_into(host: Tensor, where, vals: np.ndarray) -> None:

@@ -49,12 +49,13 @@ def chunked_step(model: GNN, graph, parts: int, chunks: int, checkpoint: str, ep
                  assignment=None, device: str = "cpu", reuse: bool = True, p2p: bool = True,
                  reorg: bool = True, overlap: bool = True, resident: bool = False,
                  cache_rows: int = 0, resident_blocks: bool = True, whole: bool = False,
-                 ordered: bool = False):
+                 ordered: bool = False, ordered_rows: bool = False):
     """One executor step on ``graph`` split into ``parts`` x ``chunks`` on ``device``
     (``cache_rows``: spare slots for rows kept across batches; ``whole``: layers
     whose rows fit the transition buffer move them all at once, which on these
     small graphs is every layer, so the plan's row paths are tested without it;
-    ``ordered``: the first layer loads from a copy of its inputs in load order)."""
+    ``ordered``: the first layer loads from a copy of its inputs in load order;
+    ``ordered_rows``: later layers' rows are written in load order in training)."""
     if assignment is None:
         assignment = np.arange(graph.num_nodes) % parts
     p = chunk_partition(graph, assignment, chunks, num_parts=parts)
@@ -69,7 +70,8 @@ def chunked_step(model: GNN, graph, parts: int, chunks: int, checkpoint: str, ep
                            p2p=p2p, reorg=reorg, cache_rows=lambda _: cache_rows)
     ex = Executor(model, cs, buf, torch.from_numpy(g.y), masks_of(g), dev, plan.plans[0],
                   checkpoint=checkpoint, seed=0, overlap=overlap,
-                  resident_blocks=resident_blocks, whole_layers=whole, ordered_inputs=ordered)
+                  resident_blocks=resident_blocks, whole_layers=whole, ordered_inputs=ordered,
+                  ordered_rows=ordered_rows)
     ex.transfer_plan = plan
     res = ex.step(epoch)
     return res, g, ex
@@ -419,6 +421,89 @@ def test_first_layer_loads_from_ordered_inputs(layer, parts, chunks, checkpoint,
     assert (t.h2d_rows, t.d2h_rows, t.h2d_bytes) == (p.h2d_rows, p.d2h_rows, p.h2d_bytes)
 
 
+@pytest.mark.parametrize("layer", LAYERS)
+@pytest.mark.parametrize("depth", [2, 3])
+@pytest.mark.parametrize("parts,chunks,checkpoint", [(1, 5, "auto"), (2, 3, "auto"),
+                                                     (3, 3, "recompute")])
+def test_later_layers_load_rows_written_in_load_order(layer, depth, parts, chunks, checkpoint,
+                                                      monkeypatch):
+    """A training forward pass writes the rows of each later layer that reads
+    them only through its loads in the order the plan first loads them (each
+    loaded row once); that layer's steps bring their first loads as one run
+    and gather the rows loaded again. The step is exact, the copy is what the
+    plain run leaves in ``h^m`` in that order, the loads are the plain run's
+    and the stores skip rows never loaded; evaluation still writes ``h^m``
+    (embeddings) and gives the same logits."""
+    from hongtu.engine.transfer import Mover
+
+    graph = CASES["halo_heavy"](seed=9)
+
+    def build():
+        return make_model(layer) if depth == 2 else three_layers(layer, keep_dropped=True)
+
+    _, _, plain = chunked_step(build(), graph, parts, chunks, checkpoint)
+    runs = []
+
+    def spy(orig):
+        def call(self, host, start, stop, *a, **kw):
+            runs.append((host.data_ptr(), start, stop))
+            return orig(self, host, start, stop, *a, **kw)
+        return call
+
+    for name in ("fetch_run", "fetch_run_and_rows"):
+        monkeypatch.setattr(Mover, name, spy(getattr(Mover, name)))
+    model = build()
+    res, g, ex = chunked_step(model, graph, parts, chunks, checkpoint, ordered_rows=True)
+    assert_matches(model, res.loss, *reference_step(model, g))
+    once = executor.reads_rows_once(model, checkpoint)
+    assert ex.ordered_rows == [m for m in range(1, depth) if once[m]]
+    assert bool(ex.ordered_rows) or layer != "gcn" or checkpoint != "auto"
+    plan = ex.plan.plan
+    ids = np.asarray(plan.load_ids, dtype=np.int64)
+    firsts = torch.from_numpy(ids[np.sort(np.unique(ids, return_index=True)[1])])
+    again = ids.shape[0] - firsts.shape[0]  # loads of rows loaded before
+    assert ex._first_in_place or not ex.ordered_rows
+    runs_of = np.cumsum([0] + [len(np.setdiff1d(ids[a:b], ids[:a])) for a, b in
+                               zip(plan.load_ptr[:-1], plan.load_ptr[1:])])
+    for m in ex.ordered_rows:
+        assert torch.equal(ex._ordered_rows[m], plain.buf.h[m][firsts])
+        got = [r[1:] for r in runs if r[0] == ex._ordered_rows[m].data_ptr()]
+        assert got == list(zip(runs_of[:-1], runs_of[1:]))
+    t, p = ex.mover.traffic, plain.mover.traffic
+    assert (t.h2d_rows, t.h2d_bytes) == (p.h2d_rows, p.h2d_bytes)
+    never = g.num_nodes - int(firsts.shape[0])  # rows no step loads: not written
+    assert t.d2h_rows == p.d2h_rows - len(ex.ordered_rows) * never
+    if layer == "gcn" and (parts, chunks) == (1, 5):
+        assert again > 0  # (rows loaded again come by the gather)
+    got, want = ex.evaluate(3), plain.evaluate(3)
+    assert (got.correct, got.total) == (want.correct, want.total)
+    for m in range(1, depth + 1):
+        torch.testing.assert_close(ex.buf.h[m], plain.buf.h[m], rtol=1e-6, atol=1e-7)
+
+
+def test_rows_in_load_order_take_room_only_where_forward_leaves_none():
+    """Their index arrays (two of a chunk's and of a step's, int64) cost no device
+    memory where they fit the gradient slots forward passes leave unused; else
+    they need room the budget leaves, or rows are gathered."""
+    graph = CASES["halo_heavy"](seed=9)
+    _, _, ex = chunked_step(make_model("gcn"), graph, 1, 5, "auto", ordered_rows=True)
+    plan, once = ex.plan.plan, [True, True]
+    most = ex.chunks.max_rows()[1]
+    p = np.asarray(plan.load_ptr)
+    arrays = 8 * (2 * most + 2 * int(np.diff(p)[1:].max()))
+    assert executor.first_load_index_bytes(plan, most, arrays) == 0
+    assert executor.first_load_index_bytes(plan, most, arrays - 1) == 2 * arrays
+    room = executor.ordered_rows_room
+    assert room(plan, once, True, None, most, 0) == 2 * arrays
+    assert room(plan, once, True, 2 * arrays - 1, most, 0) is None
+    assert room(plan, once, True, 0, most, arrays) == 0
+    assert room(plan, once, False, None, most, arrays) is None
+    assert room(plan, [True, False], True, None, most, arrays) is None  # (no layer reads once)
+    # (the executor's own arrays are no longer than those bounds)
+    chunk, step = ex._first_loads.largest()
+    assert 8 * (chunk + step) <= arrays
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layer", ["gcn", "sage"])
 @pytest.mark.parametrize("chunks", [1, 4])
@@ -548,7 +633,7 @@ def test_resident_arithmetic_on_cpu(layer, chunks, monkeypatch):
 @pytest.mark.parametrize("checkpoint", ["auto", "recompute"])
 @pytest.mark.parametrize("mode", ["overlap", "serial", "kept", "copied-blocks", "resident",
                                   "resident-1", "whole", "whole-serial", "first-whole",
-                                  "first-by-time", "ordered"])
+                                  "first-by-time", "ordered", "ordered-rows"])
 def test_cuda_step_equals_full_graph(layer, checkpoint, mode, monkeypatch):
     """The GPU paths are exact too: pinned buffers with zero-copy gathers and staged
     flushes, with transfers one batch ahead on their own streams or in program
@@ -556,7 +641,8 @@ def test_cuda_step_equals_full_graph(layer, checkpoint, mode, monkeypatch):
     (int32 on the host), with every buffer resident on the device, with
     every layer's rows moved whole (one copy each way per pass), with the
     first layer's alone (the others' plan rows in the same memory), and with
-    the first layer's rows copied from its inputs stored in load order. With
+    the first layer's rows copied from its inputs stored in load order (and
+    later layers' from rows the forward pass wrote in load order). With
     loads beside stores (a GPU, overlap) the first layer moves whole only where
     its pass is shorter by link time ("first-by-time"); the whole modes have it
     move whole wherever its plan loads more rows, as on a CPU."""
@@ -575,13 +661,18 @@ def test_cuda_step_equals_full_graph(layer, checkpoint, mode, monkeypatch):
                      "first-by-time": (1, 6)}.get(mode, (2, 3))
     kept = 4 if mode == "kept" else 0
     whole, serial = "whole" in mode or mode == "first-by-time", mode.endswith("serial")
+    ordered, rows = mode.startswith("ordered"), mode == "ordered-rows"
     _, _, on_cpu = chunked_step(copy.deepcopy(model), graph, parts, chunks, checkpoint,
-                                cache_rows=kept, whole=whole)
+                                cache_rows=kept, whole=whole, ordered_rows=rows)
     res, g, ex = chunked_step(model, graph, parts, chunks, checkpoint, device="cuda",
                               overlap=not serial, resident=mode.startswith("resident"),
                               cache_rows=kept, resident_blocks=mode != "copied-blocks",
-                              whole=whole, ordered=mode == "ordered")
-    assert (ex._ordered is not None) == (mode == "ordered")
+                              whole=whole, ordered=ordered, ordered_rows=rows)
+    assert (ex._ordered is not None) == ordered
+    assert ex.ordered_rows == on_cpu.ordered_rows
+    assert bool(ex.ordered_rows) == (rows and checkpoint == "auto" and layer == "gcn")
+    if ex.ordered_rows:
+        assert ex._ordered_rows[1].is_pinned()
     if mode == "first-whole":
         # (GCN's rows are as narrow in both layers: both move whole.)
         assert ex._whole == on_cpu._whole == [True, layer == "gcn"]
@@ -605,7 +696,7 @@ def test_cuda_step_equals_full_graph(layer, checkpoint, mode, monkeypatch):
         # (and, ordered, the next step's first rows during the first layer's backward)
         p = ex.plan.plan.load_ptr
         ahead = int(p[1] - p[0]) if ex._prefetch else 0
-        assert mode == "ordered" or not ex._prefetch
+        assert ordered or not ex._prefetch
         assert (moved.h2d_rows, moved.d2h_rows) == (expect.h2d_rows + ahead, expect.d2h_rows)
     if mode == "copied-blocks":
         # Blocks travel for every pass but the first layer's backward when that
