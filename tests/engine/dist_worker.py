@@ -31,7 +31,7 @@ def run_rank(rank: int, world: int, port: int, out: str, jobs: list[dict]) -> No
 
 
 def run_job(rank, world, comm, case: str, layer: str, chunks: int, checkpoint: str,
-            flags: dict) -> dict:
+            flags: dict, ordered_rows: bool = False) -> dict:
     from tests.engine.test_oracle import make_model
 
     graph = CASES[case](seed=1)
@@ -47,7 +47,7 @@ def run_job(rank, world, comm, case: str, layer: str, chunks: int, checkpoint: s
     masks = {k: torch.from_numpy(getattr(g, f"{k}_mask")[a:b]) for k in ("train", "val", "test")}
     ex = Executor(model, cs, buf, torch.from_numpy(g.y[a:b]), masks, torch.device("cpu"),
                   plan.plans[rank], checkpoint=checkpoint, seed=0, comm=comm,
-                  num_train=int(g.train_mask.sum()))
+                  num_train=int(g.train_mask.sum()), ordered_rows=ordered_rows)
     res = ex.step(3)
     step_traffic = ex.mover.traffic.as_dict()
     ex.mover.traffic.reset()
@@ -57,4 +57,4 @@ def run_job(rank, world, comm, case: str, layer: str, chunks: int, checkpoint: s
             "correct": ev.correct, "total": ev.total,
             "loads": int(plan.plans[rank].load_ids.shape[0]),
             "sends": int(plan.plans[rank].send_ids.shape[0]),
-            "own_rows": b - a}
+            "own_rows": b - a, "ordered_rows": ex.ordered_rows}

@@ -32,6 +32,9 @@ LAYER_IDS = [f"{layer}-{'dedup' if f is ON else 'no-reuse-no-reorg'}"
 FLAG_JOBS = [dict(case="skewed", layer="sage", chunks=3, checkpoint=ck, flags=flags)
              for ck in ("auto", "recompute")
              for flags in ({"reuse": False, "p2p": True, "reorg": False}, ON)]
+# later layers' rows written in first-load order (each rank its own rows)
+ORDERED_JOBS = [dict(case="skewed", layer="gcn", chunks=3, checkpoint="auto", flags=flags,
+                     ordered_rows=True) for flags in (ON, OFF)]
 
 
 def free_port() -> int:
@@ -48,7 +51,7 @@ def run_world(tmp_path, world: int, jobs: list[dict]) -> list[list[dict]]:
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
-    return run_world(tmp_path_factory.mktemp("w2"), 2, LAYER_JOBS + FLAG_JOBS)
+    return run_world(tmp_path_factory.mktemp("w2"), 2, LAYER_JOBS + FLAG_JOBS + ORDERED_JOBS)
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +98,16 @@ def test_dedup_switches_and_counted_rows(two, k):
         assert ev["d2h_rows"] == (L - 1) * r["own_rows"] + r["own_rows"]
     assert ranks[0]["total"] == ranks[1]["total"]  # accuracy counts are reduced over ranks
     assert ranks[0]["total"]["train"] == int(CASES["skewed"](seed=1).train_mask.sum())
+
+
+@pytest.mark.parametrize("k", range(len(ORDERED_JOBS)))
+def test_ranks_write_later_rows_in_load_order(two, k):
+    """Each rank writes its own part's later-layer rows in the order its plan
+    first loads them; the step still matches one process and the reference."""
+    job = ORDERED_JOBS[k]
+    ranks = two[len(LAYER_JOBS) + len(FLAG_JOBS) + k]
+    assert all(r["ordered_rows"] == [1] for r in ranks)
+    check_job(ranks, {key: v for key, v in job.items() if key != "ordered_rows"}, 2)
 
 
 def test_comm_leaves_only_the_group_it_joined(monkeypatch):
