@@ -787,11 +787,13 @@ class IndexRing:
         mv, k = self.mover, self.turn
         self.turn = (k + 1) % len(self.bufs)
         out = self.bufs[k][: host.numel()]
-        # (after compute issued so far: the slot may be memory backward reads)
-        with mv._on(mv.s_in), mv.timing("time_h2d_s", mv.s_in):
+        # (after compute issued so far: the slot may be memory backward reads;
+        # the wait for its last reader is not copy time)
+        with mv._on(mv.s_in):
             if self.free[k] is not None:
                 mv.s_in.wait_event(self.free[k])
-            out.copy_(host, non_blocking=True)
+            with mv.timing("time_h2d_s", mv.s_in):
+                out.copy_(host, non_blocking=True)
         mv.traffic.h2d_bytes += host.numel() * host.element_size()
         return Ticket(out, mv._ready_event(mv.s_in)), k
 
