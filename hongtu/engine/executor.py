@@ -322,6 +322,9 @@ class _FirstLoads:
     #: per chunk: its loaded rows' ``cid`` (sorted), then which of the chunk's
     #: rows each is
     chunks: dict
+    #: per chunk: the ``cid`` ranges ``(a, b)`` of its rows the first step loads
+    #: (one range: that step loads rows in id order, a chunk's rows are a range)
+    early: dict
 
     def largest(self) -> tuple[int, int]:
         """Elements of the longest chunk array and of the longest step array
@@ -353,19 +356,23 @@ def _first_loads(plan: DevicePlan, chunks: ChunkSet, pin: bool) -> _FirstLoads:
         again = again[np.argsort(cid[a:b][again], kind="stable")]
         arrays.append(np.concatenate([cid[a:b][again], slots[a:b][f], slots[a:b][again]]))
         arrays[-1] = (int(again.shape[0]), arrays[-1])
-    places = {}
+    places, early = {}, {}
     for c in sorted({int(c) for c in plan.chunk_ids}):
         v0, v1 = chunks.range(c)
         a, b = np.searchsorted(uniq, [v0, v1])
         sort = np.argsort(cid_of_uniq[a:b], kind="stable")
-        places[c] = np.concatenate([cid_of_uniq[a:b][sort], uniq[a:b][sort] - v0])
+        at = cid_of_uniq[a:b][sort]
+        places[c] = np.concatenate([at, uniq[a:b][sort] - v0])
+        at = at[at < run[1]]  # (its first-step rows, as ranges of consecutive cid)
+        cut = np.flatnonzero(np.diff(at) != 1) + 1
+        early[c] = [(int(x[0]), int(x[-1]) + 1) for x in np.split(at, cut) if x.size]
     host = [torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))
             for x in [a for _, a in arrays] + list(places.values())]
     if pin:
         host = pinned_copies(host)
     steps = [(again, t) for (again, _), t in zip(arrays, host)]
     return _FirstLoads(int(uniq.shape[0]), run, steps,
-                       dict(zip(places, host[len(arrays):])))
+                       dict(zip(places, host[len(arrays):])), early)
 
 
 class _PlanOnDevice:
@@ -480,8 +487,9 @@ class Executor:
             own rows: :func:`reads_rows_once`; not moved whole) straight in the
             order the plan first loads them, each loaded row once (pinned,
             another buffer of those rows), so that layer's step brings its
-            first loads as one contiguous copy (DMA) and gathers only rows
-            loaded again; evaluation writes ``h^l`` as before. Same
+            first loads as one contiguous copy (DMA; the first step's during
+            the pass before, :meth:`_early`) and gathers only rows loaded
+            again; evaluation writes ``h^l`` as before. Same
             conditions as ``ordered_inputs``, and the plan's first step must
             load into slots ``0..n-1``.
     """
@@ -658,6 +666,15 @@ class Executor:
         t = self._ordered
         return 0 if t is None else t.numel() * t.element_size()
 
+    def _early(self, m: int) -> bool:
+        """Whether layer ``m``'s first-step rows (written in first-load order)
+        travel during the training forward pass before it, each chunk's once
+        stored, into the gradient twin of the row memory (no forward pass uses
+        it; that pass must not hold its rows whole nor keep ``h^1`` there), so
+        its first step copies them on the device instead of waiting for them."""
+        return (self._ordered_rows[m] is not None and not self._whole[m - 1]
+                and not self.rows_kept)
+
     @property
     def ordered_rows(self) -> list[int]:
         """Layers whose rows a training forward pass writes in load order."""
@@ -735,6 +752,8 @@ class Executor:
         if l > 0 and train and self._ordered_rows[l] is not None:
             fl = self._first_loads
             a, b = int(fl.run[s]), int(fl.run[s + 1])
+            if s == 0 and self._early(l):  # (brought during the pass before)
+                return self.mover.take_early(self._buffer(self._gbuf, tbuf.shape[1]), tbuf, b)
             if s == 0:  # (all first loads, into slots 0..n-1)
                 return self.mover.fetch_run(self._ordered_rows[l], a, b, None, tbuf, direct=True)
             again, arr = fl.steps[s]
@@ -889,6 +908,10 @@ class Executor:
                     n = ids.shape[0] // 2
                     mv.store_rows(self._ordered_rows[l + 1], ids[:n], out, ids[n:])
                     self._store_ids.release(k, mv.s_out)
+                    if self._early(l + 1):  # (the next layer's first-step rows among them)
+                        twin = self._buffer(self._gbuf, self._ordered_rows[l + 1].shape[1])
+                        for a, b in self._first_loads.early[c]:
+                            mv.fetch_early(self._ordered_rows[l + 1], a, b, twin)
                 elif l < L - 1:
                     mv.store_range(buf.h[l + 1], v0, out)
                 elif not train:
