@@ -379,11 +379,11 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         # (the rows every process loads; modelled where each one's first step fills 0..n-1)
         ordered = ordered_row_layers(first, hand.whole, once, s.ordered
                                      and all(first_in_place(p) for p in plan.plans))
-        loaded = sum(first_loaded_rows(p) for p in plan.plans) if any(ordered) else 0
-        index = tuple(map(sum, zip(*(first_load_traffic(p) for p in plan.plans)))) \
-            if any(ordered) else (0, 0)
+        counts = [first_loaded_rows(p) for p in plan.plans] if any(ordered) else []
+        index = tuple(map(sum, zip(*(first_load_traffic(p, k) for p, k in
+                                     zip(plan.plans, counts))))) or (0, 0)
         return _traffic(widths, cached, stored, needs_dst, itemsize, n, plan.h2d_rows,
-                        plan.d2h_rows, hand, ordered, loaded, index)
+                        plan.d2h_rows, hand, ordered, sum(counts), index)
 
     t0 = time.perf_counter()
     memory = []

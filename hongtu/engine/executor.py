@@ -293,11 +293,11 @@ def ordered_rows_room(plan: DevicePlan, once: list[bool], enabled: bool, left: i
     return need if left is None or need <= left else None
 
 
-def first_load_traffic(plan: DevicePlan) -> tuple[int, int]:
+def first_load_traffic(plan: DevicePlan, loaded: int) -> tuple[int, int]:
     """Bytes of those index arrays per pass (host→device, a GPU): ``(a pass that
-    writes rows in first-load order, a pass that loads them)``."""
+    writes rows in first-load order, a pass that loads them)``, given the
+    ``loaded`` distinct rows (:func:`first_loaded_rows`)."""
     loads = int(plan.load_ids.shape[0])
-    loaded = first_loaded_rows(plan)
     first = int(plan.load_ptr[1]) if plan.num_steps else 0
     return 16 * loaded, 8 * (loads - first + loads - loaded)
 
@@ -354,8 +354,8 @@ def _first_loads(plan: DevicePlan, chunks: ChunkSet, pin: bool) -> _FirstLoads:
         run[s + 1] = run[s] + int(f.sum())
         again = np.flatnonzero(~f)
         again = again[np.argsort(cid[a:b][again], kind="stable")]
-        arrays.append(np.concatenate([cid[a:b][again], slots[a:b][f], slots[a:b][again]]))
-        arrays[-1] = (int(again.shape[0]), arrays[-1])
+        arrays.append((int(again.shape[0]),
+                       np.concatenate([cid[a:b][again], slots[a:b][f], slots[a:b][again]])))
     places, early = {}, {}
     for c in sorted({int(c) for c in plan.chunk_ids}):
         v0, v1 = chunks.range(c)
@@ -540,8 +540,9 @@ class Executor:
                            load_rows=stage, overlap=overlap, stage=self._rowmem[twins:])
         ordered = ordered_inputs and not self.resident and (overlap or device.type == "cpu")
         n = buffers.h[0].shape[0]
+        once = reads_rows_once(model, checkpoint)
         hand = plan_handoffs(n, widths, self._rowmem.numel(), plan, stage, comm is not None,
-                             self.cached, reads_rows_once(model, checkpoint),
+                             self.cached, once,
                              enabled=whole_layers and not self._direct,
                              overlapped=overlap and device.type == "cuda")
         self._whole = hand.whole
@@ -560,7 +561,7 @@ class Executor:
             room -= copy_bytes
         # Later layers' rows written in first-load order by the training forward pass.
         self._ordered_rows: list[Tensor | None] = [None] * len(widths)
-        may = ordered_row_layers(plan, self._whole, reads_rows_once(model, checkpoint),
+        may = ordered_row_layers(plan, self._whole, once,
                                  ordered_rows and not self._direct and not self.resident
                                  and (overlap or device.type == "cpu"))
         self._first_loads = _first_loads(plan, chunks, device.type == "cuda") \
@@ -759,10 +760,8 @@ class Executor:
             again, arr = fl.steps[s]
             ticket, k = self._load_ids.fetch(arr)  # (on the load stream, as the rows)
             ids = ticket.value
-            rows = self.mover.fetch_run_and_rows(self._ordered_rows[l], a, b, ids[:again],
-                                                 ids[again:], tbuf)
-            rows.ring = (self._load_ids, k)  # (its slot is free once the rows are placed)
-            return rows
+            return self.mover.fetch_run_and_rows(self._ordered_rows[l], a, b, ids[:again],
+                                                 ids[again:], tbuf, (self._load_ids, k))
         return self.mover.fetch_rows(self.buf.h[l], ids, slots, tbuf, direct=s == 0)
 
     def _place_dropped(self, rows: Ticket, s: int, tbuf: Tensor, seed: int) -> None:
@@ -873,9 +872,6 @@ class Executor:
                         self._place_dropped(rows, s, tbuf, seed)
                     else:
                         mv.place(rows)
-                        if getattr(rows, "ring", None) is not None:
-                            ring, k = rows.ring
-                            ring.release(k, mv.compute)
                     self._exchange(s, tbuf)
                 fetch_next()
                 block = self._take_block(block)

@@ -224,11 +224,11 @@ class Trainer:
         self.estimate = estimate(self.transfer_plan.plans[rank])
         dplan, widths = self.transfer_plan.plans[rank], self.model.row_widths()
         # Rows written in first-load order where the budget holds their index arrays.
+        most = int(sizes.num_dst.max())
         index_bytes = ordered_rows_room(
             dplan, once, e.ordered_rows and self.device.type == "cuda" and e.overlap
             and not self.resident, leftover_bytes(self.room, self.estimate, blocks)[0],
-            int(sizes.num_dst.max()),
-            int(sizes.num_dst.max()) * slot_widths(self.model, stored)["grad"] * itemsize)
+            most, most * slot_widths(self.model, stored)["grad"] * itemsize)
         self.estimate += index_bytes or 0
         # (Kept rows only take what the blocks leave, when the blocks fit.) What
         # the budget still leaves may let a layer's rows move whole.

@@ -103,12 +103,15 @@ class Ticket:
         ready: the event the copy records (``None``: ready already).
         slots, buf: for neighbour rows, where they go in the transition buffer
             (``None`` once they are there).
+        ring: ``(IndexRing, slot)`` holding ``slots`` (and what the copy read),
+            its slot free once :meth:`Mover.place` put the rows.
     """
 
     value: Tensor | None
     ready: object = None
     slots: Tensor | None = None
     buf: Tensor | None = None
+    ring: tuple | None = None
 
 
 #: Grids ``(programs, rows per program and loop iteration)`` of the row-copy
@@ -514,11 +517,13 @@ class Mover:
         return Ticket(out, self._ready_event(self.s_in), slots, buf)
 
     def fetch_run_and_rows(self, host: Tensor, start: int, stop: int, ids: Tensor,
-                           slots: Tensor, buf: Tensor) -> Ticket:
+                           slots: Tensor, buf: Tensor, ring: tuple | None = None) -> Ticket:
         """Start ``buf[slots] = host[start:stop]`` then ``host[ids]``, rows in that
         order: one contiguous copy (DMA) and a gather (zero-copy on a GPU),
         into the staging area one after the other; finish it with
-        :meth:`place`. ``ids`` and ``slots`` are int64 tensors on the device."""
+        :meth:`place`. ``ids`` and ``slots`` are int64 tensors on the device
+        (``ring``: the :class:`IndexRing` slot holding them, freed by
+        :meth:`place`)."""
         k, width = stop - start, int(host.shape[1])
         rows = k + int(ids.shape[0])
         if rows == 0:
@@ -533,7 +538,7 @@ class Mover:
         with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
             out[:k].copy_(host[start:stop], non_blocking=True)
             copy_rows(self._view(host), out[k:], ids)
-        return Ticket(out, self._ready_event(self.s_in), slots, buf)
+        return Ticket(out, self._ready_event(self.s_in), slots, buf, ring)
 
     def fetch_early(self, host: Tensor, start: int, stop: int, dst: Tensor) -> None:
         """Start ``dst[start:stop] = host[start:stop]`` once the stores and the
@@ -584,6 +589,9 @@ class Mover:
             t.buf.index_copy_(0, t.slots, t.value)
         else:
             put(t.value, t.buf, t.slots)
+        if t.ring is not None:
+            ring, k = t.ring
+            ring.release(k, self.compute)
         return True
 
     def fetch_range(self, host: Tensor, start: int, stop: int, slot: str) -> Ticket:
@@ -710,29 +718,22 @@ class Mover:
     def write_rows(self, host: Tensor, ids: Tensor, slots: Tensor, buf: Tensor) -> None:
         """``host[ids] = buf[slots]``: compacted on the device, then scattered by the
         GPU straight into pinned host memory (zero-copy, on the store stream)."""
-        rows = int(ids.shape[0])
-        if rows == 0:
+        if ids.shape[0] == 0:
             return
-        self._count(host, "d2h", rows, int(buf.shape[1]))
-        value = buf.index_select(0, slots)
-        if not self.cuda:
-            host.index_copy_(0, ids, value)
-            return
-        with self._on(self.s_out), self.timing("time_d2h_s", self.s_out):
-            copy_rows(value, self._view(host), dst_ids=ids)
-        self._keep(value)
+        self.store_rows(host, ids, buf.index_select(0, slots))
 
-    def store_rows(self, host: Tensor, ids: Tensor, value: Tensor, rows: Tensor) -> None:
-        """``host[ids] = value[rows]`` (``ids`` unique, ``rows`` may repeat; device
-        tensors): on a GPU one kernel on the store stream, scattering the rows
-        straight into pinned host memory (zero-copy)."""
+    def store_rows(self, host: Tensor, ids: Tensor, value: Tensor,
+                   rows: Tensor | None = None) -> None:
+        """``host[ids] = value[rows]`` (``ids`` unique, ``rows`` may repeat; ``None``:
+        ``value`` in order; device tensors): on a GPU one kernel on the store
+        stream, scattering the rows straight into pinned host memory (zero-copy)."""
         n = int(ids.shape[0])
         if n == 0:
             return
         self._count(host, "d2h", n, int(value.shape[1]))
         value = value.detach()
         if not self.cuda or host.device.type == "cuda":
-            host.index_copy_(0, ids, value.index_select(0, rows))
+            host.index_copy_(0, ids, value if rows is None else value.index_select(0, rows))
             return
         with self._on(self.s_out), self.timing("time_d2h_s", self.s_out):
             copy_rows(value, self._view(host), src_ids=rows, dst_ids=ids)
