@@ -16,6 +16,8 @@ The budget is the one ``bench_suite.py`` recorded for this workload and model
 (``--budget`` overrides it). Prints a table and writes
 ``bench/results/passes_<workload>_<model>[_<system>]_<device>.json``.
 
+``--timeline`` adds the raw intervals and the plan's batches to the JSON.
+
 ``--kernels N`` then profiles one more epoch (``torch.profiler``; its times
 are the profiler's, a little longer) and adds, per pass, the device time of
 the kernels it launched: transfers (DMA copies, memsets and the row kernel,
@@ -175,6 +177,9 @@ def main() -> int:
     ap.add_argument("--epochs", type=int, default=4, help="epochs; the last is recorded")
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="profile one more epoch: per pass, kernel time and the N longest")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also write the recorded epoch's raw intervals (stream, start ms, end ms)"
+                         " and the plan's batches (step, part, chunk, first, last)")
     ap.add_argument("--workdir", default="/tmp/hongtu_passes")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
@@ -221,6 +226,9 @@ def main() -> int:
               "epoch_s": [r["epoch_s"] for r in epochs],
               "median_epoch_s": statistics.median(r["epoch_s"] for r in epochs[1:]),
               "passes": dict(zip(names, rows))}
+    if args.timeline:
+        result["timeline"] = [[f, round(a, 4), round(b, 4)] for f, a, b in mv.timeline]
+        result["batches"] = [[int(x) for x in item] for item in tr.executor.plan.items]
     head = ("pass", "ms", "bound", "x", "GB/s", "h2d busy", "d2h busy", "both", "gpu busy",
             "idle", "h2d GB", "d2h GB")
     print("".join(f"{h:>10}" if i else f"{h:<14}" for i, h in enumerate(head)))

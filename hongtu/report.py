@@ -92,7 +92,7 @@ def _replication(graph: Graph, method: str, seed: int, cache_dir: str,
 
 def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h2d_rows: int,
              d2h_rows: int, hand, ordered: list[bool] | None = None, loaded: int = 0,
-             index: tuple[int, int] = (0, 0)) -> dict:
+             index: tuple[int, int] = (0, 0), held: int = 0) -> dict:
     """Bytes of one training step (forward, loss, backward) as the executor moves them.
 
     ``cached[l]``: layer ``l``'s backward reads no rows, ``stored[l]``: its
@@ -104,7 +104,9 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
     order the plan first loads its rows, only the ``loaded`` rows it loads
     (:func:`~hongtu.engine.executor.ordered_row_layers`), the passes writing and
     loading them copying ``index`` bytes of index arrays to the device
-    (:func:`~hongtu.engine.executor.first_load_traffic`).
+    (:func:`~hongtu.engine.executor.first_load_traffic`). ``held``: rows of
+    ``∇h^1`` that layer 1's backward leaves on the device for the first layer's
+    (:func:`~hongtu.engine.executor.gradients_held`), not flushed.
     """
     n = num_nodes
     ordered = list(ordered or []) + [False] * (len(widths) - len(ordered or []))
@@ -126,7 +128,8 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
             "passes": 1 + (not cached[l]) + (l > 0 and not kept[l]),
             "forward_bytes": 0 if kept_rows and l == 1 else loads,
             "backward_reload_bytes": 0 if cached[l] else loads,
-            "flush_bytes": 0 if l == 0 or kept[l] else (n if all_rows else d2h_rows) * row,
+            "flush_bytes": 0 if l == 0 or kept[l] else (
+                n if all_rows else d2h_rows - (held if l == 1 else 0)) * row,
             "aggregate_d2h_bytes": n * row if stored[l] else 0,
             "aggregate_h2d_bytes": n * row if stored[l] else 0,
             # own rows h^l[V] (forward and backward), ∇h^{l+1}[V] in backward
@@ -324,6 +327,8 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         first_in_place,
         first_load_traffic,
         first_loaded_rows,
+        gradients_held,
+        held_rows,
         ordered_row_layers,
         plan_handoffs,
         reads_rows_once,
@@ -382,8 +387,11 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         counts = [first_loaded_rows(p) for p in plan.plans] if any(ordered) else []
         index = tuple(map(sum, zip(*(first_load_traffic(p, k) for p, k in
                                      zip(plan.plans, counts))))) or (0, 0)
+        twin = max(first.buffer_rows, 1) * max(widths)
+        held = sum(map(held_rows, plan.plans)) \
+            if gradients_held(widths, hand.whole, cached, n, twin) else 0
         return _traffic(widths, cached, stored, needs_dst, itemsize, n, plan.h2d_rows,
-                        plan.d2h_rows, hand, ordered, sum(counts), index)
+                        plan.d2h_rows, hand, ordered, sum(counts), index, held)
 
     t0 = time.perf_counter()
     memory = []

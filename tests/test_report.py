@@ -132,6 +132,8 @@ def test_alpha_skips_part_counts_above_half_the_vertices(tmp_path):
     ["model.layer=gat", "model.heads=2", "model.hidden=8", "engine.partitioner=random"],
     ["engine.parts=1"],
     ["engine.parts=1", "model.layers=3"],
+    ["engine.whole_layers=false"],
+    ["engine.whole_layers=false", "model.layers=3", "model.layer=sage"],
     pytest.param(["engine.accelerator=cuda", "engine.resident=false",
                   "engine.whole_layers=false", "engine.ordered_inputs=false"],
                  marks=pytest.mark.gpu),
@@ -139,7 +141,7 @@ def test_alpha_skips_part_counts_above_half_the_vertices(tmp_path):
                   "engine.whole_layers=false", "engine.ordered_inputs=false", "model.layers=3"],
                  marks=pytest.mark.gpu),
 ], ids=["gcn-cached", "sage-no-reuse", "gat-recomputed", "gcn-whole", "gcn3-whole",
-        "gpu-ordered-rows", "gpu3-ordered-rows"])
+        "gcn-plan-rows", "sage3-plan-rows", "gpu-ordered-rows", "gpu3-ordered-rows"])
 def test_predicted_bytes_equal_what_the_engine_moves(tmp_path, extra):
 
     cfg = load_config(CONFIG, base(tmp_path, f"output.dir={tmp_path / 'run'}", *extra))

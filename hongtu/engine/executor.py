@@ -117,7 +117,8 @@ def layers_moved_whole(num_rows: int, widths: list[int], memory: int, load_rows:
                                        first_stores)]
 
 
-def gradients_kept(whole: list[bool], cached: list[bool], widths: list[int]) -> list[bool]:
+def gradients_kept(whole: list[bool], cached: list[bool], widths: list[int],
+                   num_rows: int = 0, twin: int = 0) -> list[bool]:
     """For ``l = 0 .. L``: whether ``∇h^l`` stays in device memory from the
     pass that makes it to the pass that reads it (no store, no load).
 
@@ -128,14 +129,43 @@ def gradients_kept(whole: list[bool], cached: list[bool], widths: list[int]) -> 
     from the forward pass. ``∇h^1`` when layer 1 moves
     whole and layer 0 is cached: layer 0's backward uses no row memory
     (its inputs carry no gradient), so layer 1's gradients stay where they
-    were added up.
+    were added up. ``∇h^l`` of a later layer moving whole when layer ``l-1``
+    is cached and moves the plan's rows: its backward reads no rows, so it
+    leaves the transition buffer (the first ``twin`` elements of the row
+    memory) alone and adds its gradients up in the twin after it; ``∇h^l``
+    stays where it was added up if that lies within the first ``twin``
+    elements (``num_rows`` rows: ``[0, n·w)`` for the last layer when
+    ``∇h^L`` is kept, else ``[n·w, 2·n·w)``).
     """
     L = len(widths) - 1
     kept = [False] * (L + 1)
     if L > 1:
         kept[L] = whole[L - 1] and cached[L - 1] and widths[L] <= widths[L - 1]
         kept[1] = whole[1] and cached[0]
+    for l in range(2, L):
+        end = num_rows * widths[l] * (1 if l == L - 1 and kept[L] else 2)
+        kept[l] = whole[l] and cached[l - 1] and not whole[l - 1] and 0 < end <= twin
     return kept
+
+
+def gradients_held(widths: list[int], whole: list[bool], cached: list[bool], num_rows: int,
+                   twin: int) -> bool:
+    """Whether layer 1's backward leaves the gradients of the rows its last step
+    flushes (every row it still holds: a transition buffer's worth, after the
+    pass's compute, the link's one direction alone) in the gradient twin of the
+    row memory, for the first layer's backward to add into the chunks of
+    ``∇h^1`` it reads, instead of sending them through host memory. Layer 1
+    moves the plan's rows; layer 0's backward adds no gradients up (its inputs
+    carry none) and leaves the twin alone unless it reloads its rows whole
+    past the transition buffer (``twin`` elements; not cached, wider)."""
+    return (len(widths) > 2 and not whole[1]
+            and (cached[0] or not whole[0] or num_rows * widths[0] <= twin))
+
+
+def held_rows(plan: DevicePlan) -> int:
+    """Rows a plan's last step flushes (:func:`gradients_held`)."""
+    p = plan.flush_ptr
+    return int(p[-1] - p[-2]) if plan.num_steps else 0
 
 
 def reads_rows_once(model: GNN, checkpoint: str) -> list[bool]:
@@ -228,7 +258,8 @@ def plan_handoffs(num_rows: int, widths: list[int], memory: int, plan: DevicePla
                                exchange, *first_layer_rows(plan, widths, cached, overlapped)) \
         if enabled else [False] * (len(widths) - 1)
     busy = first_layer_busy(num_rows, widths, plan.buffer_rows, stage_rows, whole[0])
-    return Handoffs(whole, gradients_kept(whole, cached, widths),
+    twin = max(int(plan.buffer_rows), 1) * max(widths)  # (the transition buffer)
+    return Handoffs(whole, gradients_kept(whole, cached, widths, num_rows, twin),
                     rows_kept_at(num_rows, widths, memory, whole, read_once, busy))
 
 
@@ -430,6 +461,30 @@ class _PlanOnDevice:
             b = int(self.flush_split[s])
         return self.flush_ids[a:b], self.flush_slots[a:b], self.flush_ids_dev[a:b]
 
+    def held(self, write: bool, chunk_range) -> tuple[dict, Tensor, Tensor]:
+        """The last step's flushes as :class:`Executor` holds them on the device
+        (:func:`gradients_held`): ``(segments, local rows, slots)``, each kind sorted
+        by row: ``segments[c] = (w0, w1, a0, a1)``, chunk ``c``'s rows (local to its
+        range ``chunk_range(c)``) written at ``w0:w1`` (with ``write``: nothing
+        reached the row before) and added at ``a0:a1``."""
+        s = self.plan.num_steps - 1
+        a, b = int(self.plan.flush_ptr[s]), int(self.plan.flush_ptr[s + 1])
+        split = int(self.flush_split[s]) if write else a
+        ids, local = self.flush_ids[a:b], np.empty(b - a, dtype=np.int64)
+        # written ones first, each kind by row: a chunk's are two runs
+        order = np.concatenate([np.argsort(ids[:split - a], kind="stable"),
+                                split - a + np.argsort(ids[split - a:], kind="stable")])
+        ids = ids[order]
+        segments, cut = {}, split - a
+        for c in sorted(set(int(x) for x in self.plan.chunk_ids)):
+            v0, v1 = chunk_range(c)
+            w0, w1 = np.searchsorted(ids[:cut], [v0, v1]) if cut else (0, 0)
+            a0, a1 = cut + np.searchsorted(ids[cut:], [v0, v1])
+            local[w0:w1], local[a0:a1] = ids[w0:w1] - v0, ids[a0:a1] - v0
+            segments[c] = (int(w0), int(w1), int(a0), int(a1))
+        slots = self.flush_slots[a:b][torch.from_numpy(order).to(self.flush_slots.device)]
+        return segments, torch.from_numpy(local).to(slots.device), slots
+
     def reflush(self, s: int) -> tuple[np.ndarray, Tensor, Tensor]:
         """Step ``s``'s flushes that are added (the row's gradient already holds something)."""
         a, b = int(self.flush_split[s]), int(self.plan.flush_ptr[s + 1])
@@ -546,6 +601,12 @@ class Executor:
                              enabled=whole_layers and not self._direct,
                              overlapped=overlap and device.type == "cuda")
         self._whole = hand.whole
+        # ∇h^1's last flushes wait in the gradient twin for the first layer's
+        # backward (gradients_held); built per kind of flush on first use.
+        self._hold = not self._direct and gradients_held(
+            widths, self._whole, self.cached, n, self._tbuf.numel())
+        self._held_by: dict[bool, tuple] = {}
+        self._held = None
         # h^0's rows in load order: step s's loads are rows load_ptr[s]:load_ptr[s+1]
         # (not when host memory would not hold the copy: the rows are gathered then).
         self._ordered = None
@@ -657,9 +718,11 @@ class Executor:
     @property
     def kept_on_device(self) -> list[str]:
         """What a training step hands from pass to pass in device memory instead
-        of through host memory: ``h^1`` (:func:`rows_kept_at`) and gradients
-        (:func:`gradients_kept`)."""
-        return ["h^1"] * self.rows_kept + [f"grad h^{l}" for l, k in enumerate(self._kept) if k]
+        of through host memory: ``h^1`` (:func:`rows_kept_at`), gradients
+        (:func:`gradients_kept`) and the rows of ``∇h^1`` layer 1's last step
+        holds (:func:`gradients_held`)."""
+        return (["h^1"] * self.rows_kept + [f"grad h^{l}" for l, k in enumerate(self._kept) if k]
+                + ["the last step's grad h^1 rows"] * self._hold)
 
     @property
     def ordered_input_bytes(self) -> int:
@@ -998,6 +1061,7 @@ class Executor:
         model, buf, mv, plan = self.model, self.buf, self.mover, self.plan
         model.train(True)
         self._ahead = None  # (passes before the first layer's overwrite those rows)
+        self._held = None
         for l in reversed(range(model.num_layers)):
             layer = model.layers[l]
             seed, nxt = self._seed(epoch, l), self._seed(epoch, l + 1)
@@ -1063,6 +1127,11 @@ class Executor:
                     progress(1)
                 if last and need_in and not self._direct and not self._whole[l]:
                     self._exchange_back(s, gbuf)
+                    if l == 1 and self._hold and s == plan.plan.num_steps - 1:
+                        if write not in self._held_by:
+                            self._held_by[write] = plan.held(write, self.chunks.range)
+                        self._held = self._held_by[write]  # (for layer 0's backward)
+                        return
                     if write:
                         _, slots, ids_dev = plan.flush(s, first=True)
                         mv.write_rows(buf.grad[l], ids_dev, slots, gbuf)
@@ -1090,6 +1159,8 @@ class Executor:
         block = self._take_block(block)
         v0, _ = self.chunks.range(c)
         g_out = mv.take(g_out)
+        if l == 0 and self._held is not None:
+            self._add_held(c, g_out)
         if gsum is not None:  # output finish(a), finish adds a row: no autograd
             with mv.timing("time_compute_s"):
                 gsum.add_(g_out.sum(0))
@@ -1118,6 +1189,19 @@ class Executor:
                 self._grad_rows(l)[v0:v0 + x_dst.shape[0]].add_(x_dst.grad)
             else:
                 mv.add_range(buf.grad[l], v0, x_dst.grad)
+
+    def _add_held(self, c: int, g: Tensor) -> None:
+        """``∇h^1`` of chunk ``c`` (``g``, as read from host memory) completed by the
+        gradients layer 1's backward held on the device (:func:`gradients_held`)."""
+        (w0, w1, a0, a1), local, slots = self._held[0][c], *self._held[1:]
+        if w0 == w1 and a0 == a1:
+            return
+        gbuf = self._buffer(self._gbuf, g.shape[1])
+        with self.mover.timing("time_compute_s"):
+            if w1 > w0:
+                g.index_copy_(0, local[w0:w1], gbuf.index_select(0, slots[w0:w1]))
+            if a1 > a0:
+                g.index_add_(0, local[a0:a1], gbuf.index_select(0, slots[a0:a1]))
 
     def step(self, epoch: int, progress=None) -> StepResult:
         """Forward + loss + backward: leaves the full-graph gradients in the parameters.

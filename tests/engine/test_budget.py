@@ -151,6 +151,21 @@ def test_gradients_kept_between_passes():
     assert gradients_kept([True], [True], [4, 2]) == [False, False]
     assert gradients_kept([False, True, True], [True] * 3, [4, 8, 8, 2]) == \
         [False, True, False, True]
+    # ∇h^2 of a narrow last layer moving whole, layer 1 cached on the plan's rows:
+    # kept where it lies in the transition buffer (10 rows x 2 from 0 when the
+    # loss gradient is kept, x 4 from 10 x 2 otherwise)
+    assert gradients_kept([True, False, True], [True] * 3, [4, 8, 2, 2], 10, 20) == \
+        [False, False, True, True]
+    assert gradients_kept([True, False, True], [True] * 3, [4, 8, 2, 2], 10, 19) == \
+        [False, False, False, True]
+    assert gradients_kept([True, False, True], [True, False, True], [4, 8, 2, 2], 10, 20) == \
+        [False, False, False, True]
+    assert gradients_kept([True, False, True], [True, True, False], [4, 8, 2, 2], 10, 40) == \
+        [False, False, True, False]
+    assert gradients_kept([True, False, True], [True, True, False], [4, 8, 2, 2], 10, 39) == \
+        [False, False, False, False]
+    assert gradients_kept([True, True, True], [True] * 3, [4, 8, 2, 2], 10, 80) == \
+        [False, True, False, True]  # (layer 1 whole: its backward fills the row memory)
 
 
 def test_rows_kept_beside_the_first_layer():

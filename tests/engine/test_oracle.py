@@ -77,6 +77,12 @@ def chunked_step(model: GNN, graph, parts: int, chunks: int, checkpoint: str, ep
     return res, g, ex
 
 
+def held(ex: Executor) -> int:
+    """Rows of ∇h^1 the executor's layer 1 backward holds on the device instead
+    of flushing them (:func:`~hongtu.engine.executor.gradients_held`)."""
+    return executor.held_rows(ex.transfer_plan.plans[0]) if ex._hold else 0
+
+
 def reference_step(model: GNN, g, epoch: int = 3):
     """Plain in-memory full-graph loss and gradients in float64 (every layer
     drops out and aggregates h, whatever the model's transform_first and
@@ -325,10 +331,12 @@ def test_counted_rows_equal_the_plan(flags, checkpoint):
         assert plan.h2d_rows == plan.v_ori
     if flags["reuse"] and flags["p2p"]:
         assert plan.h2d_rows == plan.v_ru
-    # flushes: ∇h^l for l ≥ 1 (one layer here), plus own-row gradients and the
-    # stores of h^{l+1}, a^l and ∇h^L ranges.
+    # flushes: ∇h^l for l ≥ 1 (one layer here) but the last step's (held on the
+    # device for layer 0's backward), plus own-row gradients and the stores of
+    # h^{l+1}, a^l and ∇h^L ranges.
+    assert ex._hold
     stores = (L - 1) * n + (L * n if checkpoint == "auto" else 0) + n
-    assert t.d2h_rows == (L - 1) * plan.d2h_rows + (L - 1) * n + stores
+    assert t.d2h_rows == (L - 1) * (plan.d2h_rows - held(ex)) + (L - 1) * n + stores
 
 
 @pytest.mark.parametrize("layer", ["gcn", "sage", "gat"])
@@ -360,8 +368,32 @@ def test_whole_layers_move_all_rows_once(layer, checkpoint):
     # ∇h^1: one whole write (none when kept) instead of the flushes and the
     # own-row adds; ∇h^2 not stored when kept
     own = n if model.layers[1].needs_dst else 0
-    assert p.d2h_rows - t.d2h_rows == (plain.transfer_plan.d2h_rows + own - n + 2 * n * cached
+    assert p.d2h_rows - t.d2h_rows == (plain.transfer_plan.d2h_rows - held(plain) + own - n
+                                       + 2 * n * cached
                                        + n * kept_rows)
+
+
+@pytest.mark.parametrize("chunks", [6, 12])
+def test_narrow_layer_gradients_stay_for_the_layer_before(chunks, monkeypatch):
+    """Three GCN layers, the last (3 wide, weight first) moving whole and the
+    middle one the plan's rows: the middle layer's backward reads no rows, so
+    ∇h^2 stays where the last layer's backward added it up (in the transition
+    buffer) and is neither stored nor loaded. The same step as with ∇h^2
+    through host memory; each direction moves n rows fewer."""
+    graph = CASES["self_loops"](seed=5)
+    res, g, ex = chunked_step(three_layers("gcn", True), graph, 1, chunks, "auto", whole=True)
+    assert ex._whole[1:] == [False, True] and ex._kept == [False, False, True, True]
+    ref_loss, ref_grads = reference_step(three_layers("gcn", True), g)
+    assert_matches(ex.model, res.loss, ref_loss, ref_grads)
+
+    rule = executor.gradients_kept  # (without the transition buffer's room)
+    monkeypatch.setattr(executor, "gradients_kept", lambda w, c, widths, *_: rule(w, c, widths))
+    res2, _, host = chunked_step(three_layers("gcn", True), graph, 1, chunks, "auto",
+                                 whole=True)
+    assert host._kept == [False, False, False, True]
+    assert_matches(host.model, res2.loss, ref_loss, ref_grads)
+    n, t, h = g.num_nodes, ex.mover.traffic, host.mover.traffic
+    assert (h.h2d_rows - t.h2d_rows, h.d2h_rows - t.d2h_rows) == (n, n)
 
 
 @pytest.mark.parametrize("layer", LAYERS[1:])
@@ -384,7 +416,9 @@ def test_first_layer_whole_beside_plan_rows(layer, checkpoint):
     passes = 1 if ex.cached[0] else 2  # forward, and backward when it reloads them
     t, p = ex.mover.traffic, plain.mover.traffic
     assert p.h2d_rows - t.h2d_rows == passes * (rows - n)
-    assert p.d2h_rows == t.d2h_rows  # (the first layer flushes no gradient)
+    # (the first layer flushes no gradient; the second its last step's where
+    # the first layer's backward leaves them on the device)
+    assert p.d2h_rows + held(plain) == t.d2h_rows + held(ex)
 
 
 @pytest.mark.parametrize("layer", LAYERS)
