@@ -117,16 +117,16 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
         dst = n * row if needs_dst[l] else 0
         all_rows = whole[l]
         loads = n * row if all_rows else h2d_rows * row
-        # (h^1 left on the device in training, not in evaluation)
-        kept_rows = rows_kept and l < 2
+        # (h^m left on the device in training, not in evaluation)
+        m = hand.rows_layer
         # h^{l+1} (∇h^L) stored
-        made = 0 if kept_rows and l == 0 else (loaded if ordered[l + 1] else n) * out
+        made = 0 if rows_kept and l == m - 1 else (loaded if ordered[l + 1] else n) * out
         layers.append({
             "layer": l, "width": widths[l], "row_bytes": row, "cached": cached[l],
             "whole": all_rows,
             # forward, backward reload, gradient flush (none for ∇h^0 or a kept ∇h^l)
             "passes": 1 + (not cached[l]) + (l > 0 and not kept[l]),
-            "forward_bytes": 0 if kept_rows and l == 1 else loads,
+            "forward_bytes": 0 if rows_kept and l == m else loads,
             "backward_reload_bytes": 0 if cached[l] else loads,
             "flush_bytes": 0 if l == 0 or kept[l] else (
                 n if all_rows else d2h_rows - (held if l == 1 else 0)) * row,

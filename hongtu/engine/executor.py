@@ -176,16 +176,17 @@ def reads_rows_once(model: GNN, checkpoint: str) -> list[bool]:
 
 
 def first_layer_busy(num_rows: int, widths: list[int], buffer_rows: int, stage_rows: int,
-                     whole: bool) -> list[tuple[int, int]]:
-    """The row memory the first layer's forward pass uses, as ``[a, b)`` element
-    ranges: all its rows when it moves whole, else its transition buffer (at
-    the start) and the staging of its next step's rows (after both twins)."""
+                     whole: bool, layer: int = 0) -> list[tuple[int, int]]:
+    """The row memory the first layer's (or ``layer``'s) forward pass uses, as
+    ``[a, b)`` element ranges: all its rows when it moves whole, else its
+    transition buffer (at the start) and the staging of its next step's rows
+    (after both twins)."""
     if whole:
-        return [(0, num_rows * widths[0])]
+        return [(0, num_rows * widths[layer])]
     rows = max(int(buffer_rows), 1)
     twins = row_memory(rows, widths)
-    return [(0, rows * widths[0])] + ([(twins, twins + int(stage_rows) * max(widths))]
-                                      if stage_rows else [])
+    return [(0, rows * widths[layer])] + ([(twins, twins + int(stage_rows) * max(widths))]
+                                          if stage_rows else [])
 
 
 def grads_beside(at: int, size: int) -> int:
@@ -196,21 +197,22 @@ def grads_beside(at: int, size: int) -> int:
 
 
 def rows_kept_at(num_rows: int, widths: list[int], memory: int, whole: list[bool],
-                 read_once: list[bool], busy: list[tuple[int, int]]) -> int | None:
-    """Where ``h^1`` may stay in the row memory from the first layer's forward
-    pass to the second's (element offset), or ``None``.
+                 read_once: list[bool], busy: list[tuple[int, int]],
+                 layer: int = 1) -> int | None:
+    """Where ``h^1`` (or ``h^layer``) may stay in the row memory from the
+    forward pass before its layer to that layer's (element offset), or ``None``.
 
-    Only for a second layer that moves whole and reads its rows only there
-    (``read_once[1]``: cached, its own rows not read; :func:`reads_rows_once`):
-    nothing reads the host copy of ``h^1`` then. Its rows go
-    to the first place, after the start or after a range the first layer's
-    forward uses (``busy``, :func:`first_layer_busy`), where they fit beside that
+    Only for a layer that moves whole and reads its rows only there
+    (``read_once``: cached, its own rows not read; :func:`reads_rows_once`):
+    nothing reads the host copy of its rows then. Its rows go
+    to the first place, after the start or after a range the pass before
+    uses (``busy``, :func:`first_layer_busy`), where they fit beside that
     range and leave room for their gradients: ``[0, n)`` when the rows start
     past it, else right after them.
     """
-    if len(widths) < 3 or not whole[1] or not read_once[1]:
+    if len(widths) < 3 or not whole[layer] or not read_once[layer]:
         return None
-    size = num_rows * widths[1]
+    size = num_rows * widths[layer]
     for a in sorted({0, size} | {b for _, b in busy}):
         grads = grads_beside(a, size)
         if (max(a, grads) + size <= memory
@@ -239,9 +241,11 @@ class Handoffs:
     whole: list[bool]
     #: ``kept[l]``: ``∇h^l`` stays on the device between passes (:func:`gradients_kept`)
     kept: list[bool]
-    #: where ``h^1`` stays between the first two forward passes, or ``None``
-    #: (:func:`rows_kept_at`)
+    #: where ``h^m`` (``m``: :attr:`rows_layer`) stays between the forward passes
+    #: of layers ``m - 1`` and ``m``, or ``None`` (:func:`rows_kept_at`)
     rows_at: int | None
+    #: ``1``, or the last layer where the rows kept are its own
+    rows_layer: int = 1
 
 
 def plan_handoffs(num_rows: int, widths: list[int], memory: int, plan: DevicePlan,
@@ -259,8 +263,34 @@ def plan_handoffs(num_rows: int, widths: list[int], memory: int, plan: DevicePla
         if enabled else [False] * (len(widths) - 1)
     busy = first_layer_busy(num_rows, widths, plan.buffer_rows, stage_rows, whole[0])
     twin = max(int(plan.buffer_rows), 1) * max(widths)  # (the transition buffer)
-    return Handoffs(whole, gradients_kept(whole, cached, widths, num_rows, twin),
-                    rows_kept_at(num_rows, widths, memory, whole, read_once, busy))
+    kept = gradients_kept(whole, cached, widths, num_rows, twin)
+    at, m = rows_kept_at(num_rows, widths, memory, whole, read_once, busy), 1
+    L = len(widths) - 1
+    if at is None and L > 2:
+        # else the last layer's rows, where its forward pass reads them from the
+        # pass before, where they leave that pass's memory alone
+        m = L - 1
+        busy = first_layer_busy(num_rows, widths, plan.buffer_rows, stage_rows,
+                                whole[m - 1], m - 1)
+        at = rows_kept_at(num_rows, widths, memory, whole, read_once, busy, layer=m)
+        if at is not None and kept[m]:
+            # its gradients, added up over the rows (∇h^L kept) or beside them,
+            # go where the layer before reads them (kept_grads_at): not across
+            size = num_rows * widths[m]
+            src = at if kept[L] else grads_beside(at, size)
+            dst = kept_grads_at(num_rows, widths, kept, m)
+            if src != dst and src < dst + size and dst < src + size:
+                at = None
+    return Handoffs(whole, kept, at, m)
+
+
+def kept_grads_at(num_rows: int, widths: list[int], kept: list[bool], l: int) -> int:
+    """Where in the row memory the backward pass of layer ``l - 1`` reads a kept
+    ``∇h^l`` of a layer ``l >= 2`` (element offset, :func:`gradients_kept`):
+    the start when ``l`` is the last layer and ``∇h^L`` is kept, else after
+    ``n`` rows of ``h^l``."""
+    L = len(widths) - 1
+    return 0 if l == L - 1 and kept[L] else num_rows * widths[l]
 
 
 #: the ordered copy of the inputs may take at most this share of the available host memory
@@ -674,13 +704,14 @@ class Executor:
             raise ValueError(f"host buffers lack grad h^{lacking[0]}, which this executor "
                              "moves through host memory (BufferPlan.grads)")
         # Where whole layers keep their rows and gradients (element offsets);
-        # h^1 may stay from the first layer's forward pass to the second's.
+        # h^m (h^1, or the last layer's) may stay from the forward pass before
+        # its layer to that layer's.
         self._at = [(0, n * w) for w in widths[:-1]]
-        at = hand.rows_at
+        at, self._rows_layer = hand.rows_at, hand.rows_layer
         self.rows_kept = at is not None
         if self.rows_kept:
-            size = n * widths[1]
-            self._at[1] = (at, grads_beside(at, size))
+            size = n * widths[self._rows_layer]
+            self._at[self._rows_layer] = (at, grads_beside(at, size))
         if device.type == "cpu":
             self._blocks = chunks.blocks
         elif resident_blocks:
@@ -718,10 +749,11 @@ class Executor:
     @property
     def kept_on_device(self) -> list[str]:
         """What a training step hands from pass to pass in device memory instead
-        of through host memory: ``h^1`` (:func:`rows_kept_at`), gradients
-        (:func:`gradients_kept`) and the rows of ``∇h^1`` layer 1's last step
-        holds (:func:`gradients_held`)."""
-        return (["h^1"] * self.rows_kept + [f"grad h^{l}" for l, k in enumerate(self._kept) if k]
+        of through host memory: ``h^1`` or the last layer's rows
+        (:func:`rows_kept_at`), gradients (:func:`gradients_kept`) and the rows
+        of ``∇h^1`` layer 1's last step holds (:func:`gradients_held`)."""
+        return ([f"h^{self._rows_layer}"] * self.rows_kept
+                + [f"grad h^{l}" for l, k in enumerate(self._kept) if k]
                 + ["the last step's grad h^1 rows"] * self._hold)
 
     @property
@@ -734,10 +766,11 @@ class Executor:
         """Whether layer ``m``'s first-step rows (written in first-load order)
         travel during the training forward pass before it, each chunk's once
         stored, into the gradient twin of the row memory (no forward pass uses
-        it; that pass must not hold its rows whole nor keep ``h^1`` there), so
-        its first step copies them on the device instead of waiting for them."""
+        it; that pass must not hold its rows whole nor read or write rows kept
+        there), so its first step copies them on the device instead of waiting
+        for them."""
         return (self._ordered_rows[m] is not None and not self._whole[m - 1]
-                and not self.rows_kept)
+                and not (self.rows_kept and m - self._rows_layer in (0, 1)))
 
     @property
     def ordered_rows(self) -> list[int]:
@@ -775,6 +808,17 @@ class Executor:
             return self._whole_rows(l, 0 if l == len(self._whole) - 1 and self._kept[-1] else 1)
         n, at = self.buf.h[0].shape[0], self._at[l - 1][1]
         return self._rowmem[at:at + n * self.buf.h[l].shape[1]].view(n, -1)
+
+    def _kept_grads(self, l: int) -> Tensor:
+        """Where layer ``l - 1``'s backward reads a kept ``∇h^l`` (:func:`gradients_kept`):
+        ``∇h^1`` and ``∇h^L`` where they were written; a later layer's at
+        :func:`kept_grads_at` (copied there where it was added up elsewhere:
+        over rows kept there)."""
+        if l in (1, self.model.num_layers):
+            return self._grad_rows(l)
+        n, w = self.buf.h[0].shape[0], self.buf.h[l].shape[1]
+        at = kept_grads_at(n, self.model.row_widths(), self._kept, l)
+        return self._rowmem[at:at + n * w].view(n, w)
 
     def _sources(self, l: int, q: int, block: Block, tbuf: Tensor) -> Tensor:
         """``h^l[N_c]``: from the transition buffer, or (resident) from ``h^l`` itself."""
@@ -917,7 +961,7 @@ class Executor:
                 v0, v1 = self.chunks.range(c)
                 ahead = self._ahead if l == 0 and i == 0 else None
                 self._ahead = None
-                rows = None if l == 1 and keep else ahead[0] if ahead is not None \
+                rows = None if l == self._rows_layer and keep else ahead[0] if ahead is not None \
                     else self._fetch_rows(l, i, s, first, tbuf, train)
                 dst = mv.fetch_range(buf.h[l], v0, v1, "dst") if layer.needs_dst else None
                 # where its rows go, when the next layer's are written in first-load order
@@ -959,8 +1003,8 @@ class Executor:
                         if l == L - 1 else None
                 if a is not None:
                     mv.store_range(buf.agg[l], v0, a)
-                if l == 0 and keep:
-                    self._whole_rows(1)[v0:v1].copy_(out)
+                if l == self._rows_layer - 1 and keep:
+                    self._whole_rows(l + 1)[v0:v1].copy_(out)
                 elif l < L - 1 and train and self._ordered_rows[l + 1] is not None:
                     ticket, k = places
                     ids = mv.take(ticket)
@@ -1103,7 +1147,7 @@ class Executor:
                 if l == 0 and self._prefetch:
                     self._fetch_ahead(i, len(plan.items))
                 rows = None if self.cached[l] else self._fetch_rows(l, i, s, first, tbuf)
-                g_out = Ticket(self._grad_rows(l + 1)[v0:v1]) if self._kept[l + 1] \
+                g_out = Ticket(self._kept_grads(l + 1)[v0:v1]) if self._kept[l + 1] \
                     else mv.fetch_range(buf.grad[l + 1], v0, v1, "grad")
                 dst = mv.fetch_range(buf.h[l], v0, v1, "dst") if layer.needs_dst else None
                 agg = mv.fetch_range(buf.agg[l], v0, v1, "aux") if self.stored[l] else None
@@ -1147,6 +1191,11 @@ class Executor:
             if need_in and self._whole[l] and not self._kept[l]:
                 mv.store_range(buf.grad[l], 0, self._grad_rows(l))
                 mv.join()  # the next pass reuses that memory
+            elif need_in and self._kept[l]:
+                kept = self._kept_grads(l)
+                if kept.data_ptr() != self._grad_rows(l).data_ptr():
+                    with mv.timing("time_compute_s"):  # (∇h^L, under them, is spent)
+                        kept.copy_(self._grad_rows(l))
             mv.drain()  # ∇h^l complete in host memory before layer l-1 reads it
         if self.comm is not None:
             self.comm.all_reduce_grads(self.model.parameters())

@@ -374,26 +374,39 @@ def test_whole_layers_move_all_rows_once(layer, checkpoint):
 
 
 @pytest.mark.parametrize("chunks", [6, 12])
-def test_narrow_layer_gradients_stay_for_the_layer_before(chunks, monkeypatch):
+@pytest.mark.parametrize("without", ["grads", "rows"])
+def test_narrow_last_layer_stays_on_the_device(chunks, without, monkeypatch):
     """Three GCN layers, the last (3 wide, weight first) moving whole and the
-    middle one the plan's rows: the middle layer's backward reads no rows, so
-    ∇h^2 stays where the last layer's backward added it up (in the transition
-    buffer) and is neither stored nor loaded. The same step as with ∇h^2
-    through host memory; each direction moves n rows fewer."""
+    middle one the plan's rows, which leaves the row memory's gradient twin
+    alone in forward and the transition buffer in backward: h^2 stays in the
+    twin from the middle layer's forward pass to the last layer's, and ∇h^2,
+    added up over those rows, goes to the transition buffer for the middle
+    layer's backward. The same step and evaluation as with either through host
+    memory (``without``), which moves n rows more each way."""
     graph = CASES["self_loops"](seed=5)
     res, g, ex = chunked_step(three_layers("gcn", True), graph, 1, chunks, "auto", whole=True)
     assert ex._whole[1:] == [False, True] and ex._kept == [False, False, True, True]
+    assert ex.rows_kept and ex._rows_layer == 2
+    assert ex._at[2][0] == ex._tbuf.numel()  # (the twin's start)
     ref_loss, ref_grads = reference_step(three_layers("gcn", True), g)
     assert_matches(ex.model, res.loss, ref_loss, ref_grads)
 
-    rule = executor.gradients_kept  # (without the transition buffer's room)
-    monkeypatch.setattr(executor, "gradients_kept", lambda w, c, widths, *_: rule(w, c, widths))
+    if without == "grads":  # (the rule without the transition buffer's room)
+        rule = executor.gradients_kept
+        monkeypatch.setattr(executor, "gradients_kept",
+                            lambda w, c, widths, *_: rule(w, c, widths))
+    else:
+        rows = executor.rows_kept_at
+        monkeypatch.setattr(executor, "rows_kept_at",
+                            lambda *a, layer=1: rows(*a) if layer == 1 else None)
     res2, _, host = chunked_step(three_layers("gcn", True), graph, 1, chunks, "auto",
                                  whole=True)
-    assert host._kept == [False, False, False, True]
+    assert host._kept[2] == (without == "rows") and host.rows_kept == (without == "grads")
     assert_matches(host.model, res2.loss, ref_loss, ref_grads)
     n, t, h = g.num_nodes, ex.mover.traffic, host.mover.traffic
     assert (h.h2d_rows - t.h2d_rows, h.d2h_rows - t.d2h_rows) == (n, n)
+    a, b = ex.evaluate(4), host.evaluate(4)
+    assert a.loss == pytest.approx(b.loss, rel=1e-6) and a.correct == b.correct
 
 
 @pytest.mark.parametrize("layer", LAYERS[1:])
