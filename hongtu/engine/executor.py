@@ -637,6 +637,7 @@ class Executor:
             widths, self._whole, self.cached, n, self._tbuf.numel())
         self._held_by: dict[bool, tuple] = {}
         self._held = None
+        self._head = None  # (the next backward pass's first reads, issued early)
         # h^0's rows in load order: step s's loads are rows load_ptr[s]:load_ptr[s+1]
         # (not when host memory would not hold the copy: the rows are gathered then).
         self._ordered = None
@@ -1027,7 +1028,7 @@ class Executor:
             self._run_pass(fetch, run)
         return acc
 
-    def _run_pass(self, fetch, run) -> None:
+    def _run_pass(self, fetch, run, after=None) -> None:
         """One layer pass over the plan's items.
 
         ``fetch(i)`` issues item ``i``'s transfers and returns what ``run(i,
@@ -1035,21 +1036,26 @@ class Executor:
         ``fetch_next()`` as soon as compute may overwrite what item ``i+1``'s
         transfers target (before it computes item ``i``), so the next batch's
         rows travel while this one computes; without, item ``i+1`` is fetched
-        after item ``i`` ran.
+        after item ``i`` ran. ``after()``, at the last item's ``fetch_next``,
+        issues transfers of the pass after this one.
         """
         mv, n = self.mover, len(self.plan.items)
         mv.barrier()
         ahead = fetch(0) if n else None
+        mark = []  # (the pass's own loads end here)
         for i in range(n):
             box = []
 
             def fetch_next(i=i, box=box):
                 if mv.overlap and i + 1 < n:
                     box.append(fetch(i + 1))
+                elif i + 1 == n and after is not None:
+                    mark.append(mv.load_mark())
+                    after()
 
             run(i, ahead, fetch_next)
             ahead = box[0] if box else (fetch(i + 1) if i + 1 < n else None)
-        mv.join()
+        mv.join(mark[0] if mark else None)
 
     def _exchange(self, s: int, tbuf: Tensor) -> None:
         """Rows other ranks need go to them; rows this rank needs land in the receive area."""
@@ -1105,7 +1111,7 @@ class Executor:
         model, buf, mv, plan = self.model, self.buf, self.mover, self.plan
         model.train(True)
         self._ahead = None  # (passes before the first layer's overwrite those rows)
-        self._held = None
+        self._held = self._head = None
         for l in reversed(range(model.num_layers)):
             layer = model.layers[l]
             seed, nxt = self._seed(epoch, l), self._seed(epoch, l + 1)
@@ -1130,18 +1136,13 @@ class Executor:
             elif need_in:
                 buf.grad[l].zero_()
 
-            # A cached layer whose inputs need no gradient recomputes only its
-            # update, which reads no graph: its blocks stay in host memory.
-            no_graph = self.cached[l] and not need_in and not layer.needs_dst
-            # It reads the graph through the aggregation's transpose only.
-            skip = Block.NOT_TRANSPOSED if self.cached[l] else ()
             # A cached layer that stores no aggregate outputs finish(a), which
             # adds one row (the bias): ∇a is ∇h^{l+1}, and finish's parameters
             # take their gradient once, from its column sums over the pass.
             gsum = None if self.stored[l] or not self.cached[l] else torch.zeros(
                 layer.out_width, dtype=buf.h[l].dtype, device=self.device)
 
-            def fetch(i, l=l, layer=layer, tbuf=tbuf, no_graph=no_graph, skip=skip):
+            def fetch(i, l=l, layer=layer, tbuf=tbuf):
                 s, _, c, first, _ = plan.items[i]
                 v0, v1 = self.chunks.range(c)
                 if l == 0 and self._prefetch:
@@ -1150,9 +1151,8 @@ class Executor:
                 g_out = Ticket(self._kept_grads(l + 1)[v0:v1]) if self._kept[l + 1] \
                     else mv.fetch_range(buf.grad[l + 1], v0, v1, "grad")
                 dst = mv.fetch_range(buf.h[l], v0, v1, "dst") if layer.needs_dst else None
-                agg = mv.fetch_range(buf.agg[l], v0, v1, "aux") if self.stored[l] else None
-                block = self._blocks[c] if no_graph else self._fetch_block(c, skip)
-                return rows, g_out, dst, agg, block
+                head, self._head = (self._head if i == 0 else None), None
+                return rows, g_out, dst, *(head or self._backward_reads(l, c))
 
             def run(i, fetched, fetch_next, l=l, layer=layer, seed=seed, nxt=nxt, tbuf=tbuf,
                     gbuf=gbuf, need_in=need_in, write=write, gsum=gsum):
@@ -1184,7 +1184,9 @@ class Executor:
                         ids, slots, ids_dev = plan.flush(s)
                     mv.flush_rows(buf.grad[l], ids, slots, gbuf, ids_dev=ids_dev)
 
-            self._run_pass(fetch, run)
+            # (the next pass's first aggregate and block travel beside the last batch)
+            self._run_pass(fetch, run, (lambda l=l: self._backward_head(l - 1))
+                           if l > 0 and mv.overlap else None)
             if gsum is not None:
                 with mv.timing("time_compute_s"):
                     model.finish_backward(l, gsum)
@@ -1199,6 +1201,24 @@ class Executor:
             mv.drain()  # ∇h^l complete in host memory before layer l-1 reads it
         if self.comm is not None:
             self.comm.all_reduce_grads(self.model.parameters())
+
+    def _backward_reads(self, l: int, c: int) -> tuple:
+        """Layer ``l``'s backward reads of chunk ``c`` that no pass before it in
+        backward writes: its cached aggregate and its block (a cached layer
+        whose inputs need no gradient recomputes only its update, which reads
+        no graph: its blocks stay in host memory; other cached layers read the
+        graph through the aggregation's transpose only)."""
+        layer, mv = self.model.layers[l], self.mover
+        v0, v1 = self.chunks.range(c)
+        agg = mv.fetch_range(self.buf.agg[l], v0, v1, "aux") if self.stored[l] else None
+        if self.cached[l] and l == 0 and not layer.needs_dst:
+            return agg, self._blocks[c]
+        return agg, self._fetch_block(c, Block.NOT_TRANSPOSED if self.cached[l] else ())
+
+    def _backward_head(self, l: int) -> None:
+        """Start layer ``l``'s backward pass's first :meth:`_backward_reads` now
+        (during the pass before it)."""
+        self._head = self._backward_reads(l, self.plan.items[0][2])
 
     def _backward_chunk(self, l: int, layer, q: int, c: int, fetched, tbuf: Tensor,
                         gbuf: Tensor, need_in: bool, seed: int, nxt: int,

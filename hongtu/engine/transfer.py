@@ -416,11 +416,21 @@ class Mover:
             self._events.append(("pass", mark, mark))
             self.pass_bytes.append((self.traffic.h2d_bytes, self.traffic.d2h_bytes))
 
-    def join(self) -> None:
-        """Compute waits for every transfer issued so far (the end of a pass)."""
+    def join(self, loads_until=None) -> None:
+        """Compute waits for every transfer issued so far (the end of a pass); for
+        loads, with ``loads_until`` (a :meth:`load_mark`), only for those issued
+        before it (later ones are the next pass's, which takes each as it
+        needs it)."""
         if self.overlap:
-            self.compute.wait_stream(self.s_in)
+            if loads_until is None:
+                self.compute.wait_stream(self.s_in)
+            else:
+                self.compute.wait_event(loads_until)
             self.compute.wait_stream(self.s_out)
+
+    def load_mark(self):
+        """An event after the loads issued so far (for :meth:`join`), or ``None``."""
+        return self._ready_event(self.s_in) if self.overlap else None
 
     def settle(self) -> None:
         """Finish pending flushes, wait for the device, fold event times into ``traffic``."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from hongtu.nn import ops
 from hongtu.nn.layer import GNNLayer
 
 __all__ = ["GCN"]
@@ -51,8 +52,9 @@ class GCN(GNNLayer):
             nn.init.zeros_(self.bias)
 
     def update(self, a: Tensor, x_dst: Tensor | None) -> Tensor:
-        # finish(transform(a)), the bias added by the matrix product (one kernel)
-        return nn.functional.linear(a, self.lin.weight, self.bias)
+        # finish(transform(a)), the bias added by the matrix product (one kernel;
+        # its gradient one matrix-vector product)
+        return ops.linear(a, self.lin.weight, self.bias)
 
     def transform(self, x: Tensor) -> Tensor:
         return self.lin(x)

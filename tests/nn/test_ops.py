@@ -496,3 +496,29 @@ def test_cuda_sparse_product_writes_every_row():
         assert not out.isnan().any()
         torch.testing.assert_close(out, dense @ x)
         assert (out[[0, 2, 4]] == 0).all()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_has_the_gradients_of_torch_linear(bias):
+    """ops.linear: the bias gradient as a matrix-vector product, the same value."""
+    torch.manual_seed(0)
+    x = torch.randn(50, 7, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 7, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, dtype=torch.float64, requires_grad=True) if bias else None
+    g = torch.randn(50, 4, dtype=torch.float64)
+    ours = ops.linear(x, w, b)
+    ours.backward(g)
+    mine = [t.grad.clone() for t in (x, w, b) if t is not None]
+    for t in (x, w, b):
+        if t is not None:
+            t.grad = None
+    ref = torch.nn.functional.linear(x, w, b)
+    ref.backward(g)
+    torch.testing.assert_close(ours, ref)
+    for got, t in zip(mine, [t for t in (x, w, b) if t is not None]):
+        torch.testing.assert_close(got, t.grad)
+    w.grad = None
+    ops.linear(x.detach(), w, b).sum().backward()  # (inputs needing no gradient)
+    assert w.grad is not None
+    with torch.no_grad():
+        torch.testing.assert_close(ops.linear(x, w, b), ref)
