@@ -92,7 +92,8 @@ def _replication(graph: Graph, method: str, seed: int, cache_dir: str,
 
 def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h2d_rows: int,
              d2h_rows: int, hand, ordered: list[bool] | None = None, loaded: int = 0,
-             index: tuple[int, int] = (0, 0), held: int = 0) -> dict:
+             index: tuple[int, int] = (0, 0), held: int = 0,
+             early: list[bool] | None = None, first: tuple[int, int] = (0, 0)) -> dict:
     """Bytes of one training step (forward, loss, backward) as the executor moves them.
 
     ``cached[l]``: layer ``l``'s backward reads no rows, ``stored[l]``: its
@@ -106,10 +107,16 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
     loading them copying ``index`` bytes of index arrays to the device
     (:func:`~hongtu.engine.executor.first_load_traffic`). ``held``: rows of
     ``∇h^1`` that layer 1's backward leaves on the device for the first layer's
-    (:func:`~hongtu.engine.executor.gradients_held`), not flushed.
+    (:func:`~hongtu.engine.executor.gradients_held`), not flushed. ``early[m]``:
+    the pass before writes layer ``m``'s first-step rows on the device
+    (:func:`~hongtu.engine.executor.early_layers`): of ``first`` (the first
+    step's rows, those only it loads;
+    :func:`~hongtu.engine.executor.first_step_rows`) the first are not loaded,
+    the second not stored.
     """
     n = num_nodes
     ordered = list(ordered or []) + [False] * (len(widths) - len(ordered or []))
+    early = list(early or []) + [False] * (len(widths) - len(early or []))
     whole, kept, rows_kept = hand.whole, hand.kept, hand.rows_at is not None
     layers = []
     for l in range(len(widths) - 1):
@@ -120,13 +127,14 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
         # (h^m left on the device in training, not in evaluation)
         m = hand.rows_layer
         # h^{l+1} (∇h^L) stored
-        made = 0 if rows_kept and l == m - 1 else (loaded if ordered[l + 1] else n) * out
+        made = 0 if rows_kept and l == m - 1 else (
+            loaded - first[1] * early[l + 1] if ordered[l + 1] else n) * out
         layers.append({
             "layer": l, "width": widths[l], "row_bytes": row, "cached": cached[l],
             "whole": all_rows,
             # forward, backward reload, gradient flush (none for ∇h^0 or a kept ∇h^l)
             "passes": 1 + (not cached[l]) + (l > 0 and not kept[l]),
-            "forward_bytes": 0 if rows_kept and l == m else loads,
+            "forward_bytes": 0 if rows_kept and l == m else loads - first[0] * row * early[l],
             "backward_reload_bytes": 0 if cached[l] else loads,
             "flush_bytes": 0 if l == 0 or kept[l] else (
                 n if all_rows else d2h_rows - (held if l == 1 else 0)) * row,
@@ -324,9 +332,11 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     import torch
 
     from hongtu.engine.executor import (
+        early_layers,
         first_in_place,
         first_load_traffic,
         first_loaded_rows,
+        first_step_rows,
         gradients_held,
         held_rows,
         ordered_row_layers,
@@ -390,8 +400,12 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         twin = max(first.buffer_rows, 1) * max(widths)
         held = sum(map(held_rows, plan.plans)) \
             if gradients_held(widths, hand.whole, cached, n, twin) else 0
+        early = early_layers(ordered, hand.whole,
+                             hand.rows_layer if hand.rows_at is not None else None)
+        first = tuple(map(sum, zip(*map(first_step_rows, plan.plans)))) if any(early) \
+            else (0, 0)
         return _traffic(widths, cached, stored, needs_dst, itemsize, n, plan.h2d_rows,
-                        plan.d2h_rows, hand, ordered, sum(counts), index, held)
+                        plan.d2h_rows, hand, ordered, sum(counts), index, held, early, first)
 
     t0 = time.perf_counter()
     memory = []

@@ -380,12 +380,12 @@ class _FirstLoads:
     #: ``again`` loads of rows loaded before (sorted), then the slots of all
     #: its loads, first loads first
     steps: list
-    #: per chunk: its loaded rows' ``cid`` (sorted), then which of the chunk's
-    #: rows each is
+    #: per chunk: its loaded rows' ``cid``, then which of the chunk's rows each
+    #: is, in three groups each sorted by ``cid``: rows the first step does not
+    #: load, rows it loads that a later step loads again, rows only it loads
     chunks: dict
-    #: per chunk: the ``cid`` ranges ``(a, b)`` of its rows the first step loads
-    #: (one range: that step loads rows in id order, a chunk's rows are a range)
-    early: dict
+    #: per chunk: the sizes of the first two groups (:attr:`chunks`)
+    split: dict
 
     def largest(self) -> tuple[int, int]:
         """Elements of the longest chunk array and of the longest step array
@@ -417,23 +417,48 @@ def _first_loads(plan: DevicePlan, chunks: ChunkSet, pin: bool) -> _FirstLoads:
         again = again[np.argsort(cid[a:b][again], kind="stable")]
         arrays.append((int(again.shape[0]),
                        np.concatenate([cid[a:b][again], slots[a:b][f], slots[a:b][again]])))
-    places, early = {}, {}
+    again = np.zeros(uniq.shape[0], dtype=bool)
+    again[cid[~first]] = True  # (rows loaded more than once)
+    places, split = {}, {}
     for c in sorted({int(c) for c in plan.chunk_ids}):
         v0, v1 = chunks.range(c)
         a, b = np.searchsorted(uniq, [v0, v1])
-        sort = np.argsort(cid_of_uniq[a:b], kind="stable")
-        at = cid_of_uniq[a:b][sort]
-        places[c] = np.concatenate([at, uniq[a:b][sort] - v0])
-        at = at[at < run[1]]  # (its first-step rows, as ranges of consecutive cid)
-        cut = np.flatnonzero(np.diff(at) != 1) + 1
-        early[c] = [(int(x[0]), int(x[-1]) + 1) for x in np.split(at, cut) if x.size]
+        at, rows = cid_of_uniq[a:b], uniq[a:b] - v0
+        group = np.where(at >= run[1], 0, np.where(again[at], 1, 2))
+        sort = np.lexsort((at, group))
+        places[c] = np.concatenate([at[sort], rows[sort]])
+        split[c] = (int((group == 0).sum()), int((group == 1).sum()))
     host = [torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))
             for x in [a for _, a in arrays] + list(places.values())]
     if pin:
         host = pinned_copies(host)
     steps = [(again, t) for (again, _), t in zip(arrays, host)]
     return _FirstLoads(int(uniq.shape[0]), run, steps,
-                       dict(zip(places, host[len(arrays):])), early)
+                       dict(zip(places, host[len(arrays):])), split)
+
+
+def first_step_rows(plan: DevicePlan) -> tuple[int, int]:
+    """``(rows the plan's first step loads, those of them no later step loads
+    again)``: a layer whose first-step rows the pass before leaves on the device
+    (:func:`early_layers`) moves the first of them not at all and stores the
+    second not at all."""
+    if not plan.num_steps:
+        return 0, 0
+    ids = np.asarray(plan.load_ids)
+    p1 = int(plan.load_ptr[1])
+    return p1, p1 - int(np.intersect1d(ids[:p1], ids[p1:]).shape[0])
+
+
+def early_layers(ordered: list[bool], whole: list[bool], rows_layer: int | None) -> list[bool]:
+    """Per layer ``m``: whether the training forward pass before it writes its
+    first-step rows (it writes ``h^m`` in first-load order: ``ordered[m]``)
+    straight into the gradient twin of the row memory, which no forward pass
+    uses, for its first step to copy on the device: not where that pass holds
+    its rows whole, nor where rows kept between passes (``rows_layer``, or
+    ``None``) are read or written there."""
+    return [ordered[m] and m > 0 and not whole[m - 1]
+            and not (rows_layer is not None and m - rows_layer in (0, 1))
+            for m in range(len(ordered))]
 
 
 class _PlanOnDevice:
@@ -764,14 +789,13 @@ class Executor:
         return 0 if t is None else t.numel() * t.element_size()
 
     def _early(self, m: int) -> bool:
-        """Whether layer ``m``'s first-step rows (written in first-load order)
-        travel during the training forward pass before it, each chunk's once
-        stored, into the gradient twin of the row memory (no forward pass uses
-        it; that pass must not hold its rows whole nor read or write rows kept
-        there), so its first step copies them on the device instead of waiting
-        for them."""
-        return (self._ordered_rows[m] is not None and not self._whole[m - 1]
-                and not (self.rows_kept and m - self._rows_layer in (0, 1)))
+        """Whether the training forward pass before layer ``m`` writes its
+        first-step rows straight into the gradient twin of the row memory
+        (:func:`early_layers`), so its first step copies them on the device
+        instead of loading them, and only those a later step loads again go
+        to host memory."""
+        ordered = [t is not None for t in self._ordered_rows]
+        return early_layers(ordered, self._whole, self._rows_layer if self.rows_kept else None)[m]
 
     @property
     def ordered_rows(self) -> list[int]:
@@ -1009,13 +1033,16 @@ class Executor:
                 elif l < L - 1 and train and self._ordered_rows[l + 1] is not None:
                     ticket, k = places
                     ids = mv.take(ticket)
-                    n = ids.shape[0] // 2
-                    mv.store_rows(self._ordered_rows[l + 1], ids[:n], out, ids[n:])
-                    self._store_ids.release(k, mv.s_out)
-                    if self._early(l + 1):  # (the next layer's first-step rows among them)
+                    n, stored = ids.shape[0] // 2, ids.shape[0] // 2
+                    if self._early(l + 1):  # the next layer's first-step rows: on the device,
+                        a, b = self._first_loads.split[c]  # (and in host memory if loaded again)
+                        stored = a + b
                         twin = self._buffer(self._gbuf, self._ordered_rows[l + 1].shape[1])
-                        for a, b in self._first_loads.early[c]:
-                            mv.fetch_early(self._ordered_rows[l + 1], a, b, twin)
+                        with mv.timing("time_compute_s"):
+                            twin.index_copy_(0, ids[a:n], out.index_select(0, ids[n + a:]))
+                    mv.store_rows(self._ordered_rows[l + 1], ids[:stored], out,
+                                  ids[n:n + stored])
+                    self._store_ids.release(k, mv.s_out)
                 elif l < L - 1:
                     mv.store_range(buf.h[l + 1], v0, out)
                 elif not train:

@@ -310,7 +310,7 @@ class Mover:
         #: with :attr:`timeline`, the traffic counters ``(h2d bytes, d2h bytes)`` at
         #: each pass start
         self.pass_bytes: list = []
-        self.compute = self.s_in = self.s_out = self.s_widen = self.s_early = None
+        self.compute = self.s_in = self.s_out = self.s_widen = None
         if self.cuda:
             self.compute = torch.cuda.current_stream(device)
             self.s_in = torch.cuda.Stream(device) if self.overlap else self.compute
@@ -550,35 +550,14 @@ class Mover:
             copy_rows(self._view(host), out[k:], ids)
         return Ticket(out, self._ready_event(self.s_in), slots, buf, ring)
 
-    def fetch_early(self, host: Tensor, start: int, stop: int, dst: Tensor) -> None:
-        """Start ``dst[start:stop] = host[start:stop]`` once the stores and the
-        compute issued so far are done, on a stream of its own: rows a later
-        pass reads, brought during this one where the link has room;
-        :meth:`take_early` waits for them."""
-        rows, width = stop - start, int(host.shape[1])
-        if rows == 0:
-            return
-        self._count(host, "h2d", rows, width)
-        if not self.cuda or host.device.type == "cuda":
-            dst[start:stop].copy_(host[start:stop])
-            return
-        if self.s_early is None:
-            self.s_early = torch.cuda.Stream(self.device)
-        self.s_early.wait_stream(self.s_out)
-        self.s_early.wait_stream(self.compute)
-        with torch.cuda.stream(self.s_early), self.timing("time_h2d_s", self.s_early):
-            dst[start:stop].copy_(host[start:stop], non_blocking=True)
-
     def take_early(self, src: Tensor, dst: Tensor, rows: int) -> Ticket:
-        """``dst[:rows] = src[:rows]`` on the device once every :meth:`fetch_early`
-        landed (on the load stream, after compute issued so far); finish it
-        with :meth:`place`."""
+        """``dst[:rows] = src[:rows]`` on the device, rows compute wrote there
+        during an earlier pass (on the load stream, after compute issued so
+        far); finish it with :meth:`place`."""
         if not self.cuda:
             dst[:rows].copy_(src[:rows])
             return Ticket(None)
         with self._on(self.s_in):
-            if self.s_early is not None:
-                self.s_in.wait_stream(self.s_early)
             dst[:rows].copy_(src[:rows], non_blocking=True)
         return Ticket(None, self._ready_event(self.s_in))
 
