@@ -892,8 +892,8 @@ class Executor:
             again, arr = fl.steps[s]
             ticket, k = self._load_ids.fetch(arr)  # (on the load stream, as the rows)
             ids = ticket.value
-            return self.mover.fetch_run_and_rows(self._ordered_rows[l], a, b, ids[:again],
-                                                 ids[again:], tbuf, (self._load_ids, k))
+            return self.mover.fetch_run(self._ordered_rows[l], a, b, ids[again:], tbuf,
+                                        ids=ids[:again], ring=(self._load_ids, k))
         return self.mover.fetch_rows(self.buf.h[l], ids, slots, tbuf, direct=s == 0)
 
     def _place_dropped(self, rows: Ticket, s: int, tbuf: Tensor, seed: int) -> None:

@@ -495,59 +495,46 @@ class Mover:
         return Ticket(out, self._ready_event(self.s_in), slots, buf)
 
     def fetch_run(self, host: Tensor, start: int, stop: int, slots: Tensor | None,
-                  buf: Tensor, direct: bool = False, at: int = 0) -> Ticket:
-        """Start ``buf[slots] = host[start:stop]``: rows stored in the order they
-        load, so one contiguous copy (DMA) brings them; finish it with :meth:`place`.
+                  buf: Tensor, direct: bool = False, at: int = 0, ids: Tensor | None = None,
+                  ring: tuple | None = None) -> Ticket:
+        """Start ``buf[slots] = host[start:stop]`` (then ``host[ids]``, with ``ids``):
+        rows stored in the order they load, so one contiguous copy (DMA) brings
+        them, and rows loaded again, gathered after them (zero-copy on a GPU);
+        finish it with :meth:`place`.
 
         With overlap they land in the staging area, unless ``direct`` (nothing in
-        those rows of ``buf`` is in use: the first step of a pass) and ``slots``
-        are ``at .. at+n-1`` (the caller's promise), when they land in ``buf``
-        itself. Without overlap on a GPU there is no staging area: ``direct`` only.
+        those rows of ``buf`` is in use: the first step of a pass; no ``ids``) and
+        ``slots`` are ``at .. at+n-1`` (the caller's promise), when they land in
+        ``buf`` itself. Without overlap on a GPU there is no staging area:
+        ``direct`` only. ``ids`` and ``slots`` are int64 tensors on the device
+        (``ring``: the :class:`IndexRing` slot holding them, freed by :meth:`place`).
         """
-        rows, width = stop - start, int(host.shape[1])
+        k, width = stop - start, int(host.shape[1])
+        rows = k + (0 if ids is None else int(ids.shape[0]))
         if rows == 0:
             return Ticket(None)
         self._count(host, "h2d", rows, width)
         src = host[start:stop]
         if not self.cuda or host.device.type == "cuda":
+            if ids is not None:
+                src = torch.cat([src, host.index_select(0, ids)])
             if slots is None:
                 buf[at:at + rows].copy_(src)
             else:
                 buf.index_copy_(0, slots, src)
             return Ticket(None)
-        if direct:
+        if direct and ids is None:
             with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
                 buf[at:at + rows].copy_(src, non_blocking=True)
             return Ticket(None, self._ready_event(self.s_in))
         if not self.overlap:
-            raise ValueError("fetch_run without overlap lands rows directly only (direct=True)")
+            raise ValueError("fetch_run without overlap lands a run directly only "
+                             "(direct=True, no ids)")
         out = self._rows_stage[: rows * width].view(rows, width)
         with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
-            out.copy_(src, non_blocking=True)
-        return Ticket(out, self._ready_event(self.s_in), slots, buf)
-
-    def fetch_run_and_rows(self, host: Tensor, start: int, stop: int, ids: Tensor,
-                           slots: Tensor, buf: Tensor, ring: tuple | None = None) -> Ticket:
-        """Start ``buf[slots] = host[start:stop]`` then ``host[ids]``, rows in that
-        order: one contiguous copy (DMA) and a gather (zero-copy on a GPU),
-        into the staging area one after the other; finish it with
-        :meth:`place`. ``ids`` and ``slots`` are int64 tensors on the device
-        (``ring``: the :class:`IndexRing` slot holding them, freed by
-        :meth:`place`)."""
-        k, width = stop - start, int(host.shape[1])
-        rows = k + int(ids.shape[0])
-        if rows == 0:
-            return Ticket(None)
-        self._count(host, "h2d", rows, width)
-        if not self.cuda or host.device.type == "cuda":
-            buf.index_copy_(0, slots, torch.cat([host[start:stop], host.index_select(0, ids)]))
-            return Ticket(None)
-        if not self.overlap:
-            raise ValueError("fetch_run_and_rows lands rows in the staging area (overlap only)")
-        out = self._rows_stage[: rows * width].view(rows, width)
-        with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
-            out[:k].copy_(host[start:stop], non_blocking=True)
-            copy_rows(self._view(host), out[k:], ids)
+            out[:k].copy_(src, non_blocking=True)
+            if ids is not None:
+                copy_rows(self._view(host), out[k:], ids)
         return Ticket(out, self._ready_event(self.s_in), slots, buf, ring)
 
     def take_early(self, src: Tensor, dst: Tensor, rows: int) -> Ticket:
