@@ -1178,7 +1178,9 @@ class Executor:
                 g_out = Ticket(self._kept_grads(l + 1)[v0:v1]) if self._kept[l + 1] \
                     else mv.fetch_range(buf.grad[l + 1], v0, v1, "grad")
                 dst = mv.fetch_range(buf.h[l], v0, v1, "dst") if layer.needs_dst else None
-                head, self._head = (self._head if i == 0 else None), None
+                head = None
+                if i == 0:  # (its first reads may have been issued during the pass before)
+                    head, self._head = self._head, None
                 return rows, g_out, dst, *(head or self._backward_reads(l, c))
 
             def run(i, fetched, fetch_next, l=l, layer=layer, seed=seed, nxt=nxt, tbuf=tbuf,
