@@ -337,7 +337,6 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         first_load_traffic,
         first_loaded_rows,
         first_step_rows,
-        gradients_held,
         held_rows,
         ordered_row_layers,
         plan_handoffs,
@@ -397,11 +396,8 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         counts = [first_loaded_rows(p) for p in plan.plans] if any(ordered) else []
         index = tuple(map(sum, zip(*(first_load_traffic(p, k) for p, k in
                                      zip(plan.plans, counts))))) or (0, 0)
-        twin = max(first.buffer_rows, 1) * max(widths)
-        held = sum(map(held_rows, plan.plans)) \
-            if gradients_held(widths, hand.whole, cached, n, twin) else 0
-        early = early_layers(ordered, hand.whole,
-                             hand.rows_layer if hand.rows_at is not None else None)
+        held = sum(map(held_rows, plan.plans)) if hand.held else 0
+        early = early_layers(ordered, hand.whole, hand.kept_layer)
         first = tuple(map(sum, zip(*map(first_step_rows, plan.plans)))) if any(early) \
             else (0, 0)
         return _traffic(widths, cached, stored, needs_dst, itemsize, n, plan.h2d_rows,

@@ -246,6 +246,15 @@ class Handoffs:
     rows_at: int | None
     #: ``1``, or the last layer where the rows kept are its own
     rows_layer: int = 1
+    #: layer 1's backward leaves its last step's gradients on the device for
+    #: layer 0's (:func:`gradients_held`)
+    held: bool = False
+
+    @property
+    def kept_layer(self) -> int | None:
+        """The layer whose rows stay between forward passes (:attr:`rows_layer`),
+        or ``None``."""
+        return self.rows_layer if self.rows_at is not None else None
 
 
 def plan_handoffs(num_rows: int, widths: list[int], memory: int, plan: DevicePlan,
@@ -281,7 +290,7 @@ def plan_handoffs(num_rows: int, widths: list[int], memory: int, plan: DevicePla
             dst = kept_grads_at(num_rows, widths, kept, m)
             if src != dst and src < dst + size and dst < src + size:
                 at = None
-    return Handoffs(whole, kept, at, m)
+    return Handoffs(whole, kept, at, m, gradients_held(widths, whole, cached, num_rows, twin))
 
 
 def kept_grads_at(num_rows: int, widths: list[int], kept: list[bool], l: int) -> int:
@@ -417,14 +426,14 @@ def _first_loads(plan: DevicePlan, chunks: ChunkSet, pin: bool) -> _FirstLoads:
         again = again[np.argsort(cid[a:b][again], kind="stable")]
         arrays.append((int(again.shape[0]),
                        np.concatenate([cid[a:b][again], slots[a:b][f], slots[a:b][again]])))
-    again = np.zeros(uniq.shape[0], dtype=bool)
-    again[cid[~first]] = True  # (rows loaded more than once)
+    reloaded = np.zeros(uniq.shape[0], dtype=bool)
+    reloaded[cid[~first]] = True  # (rows loaded more than once)
     places, split = {}, {}
     for c in sorted({int(c) for c in plan.chunk_ids}):
         v0, v1 = chunks.range(c)
         a, b = np.searchsorted(uniq, [v0, v1])
         at, rows = cid_of_uniq[a:b], uniq[a:b] - v0
-        group = np.where(at >= run[1], 0, np.where(again[at], 1, 2))
+        group = np.where(at >= run[1], 0, np.where(reloaded[at], 1, 2))
         sort = np.lexsort((at, group))
         places[c] = np.concatenate([at[sort], rows[sort]])
         split[c] = (int((group == 0).sum()), int((group == 1).sum()))
@@ -597,9 +606,9 @@ class Executor:
             own rows: :func:`reads_rows_once`; not moved whole) straight in the
             order the plan first loads them, each loaded row once (pinned,
             another buffer of those rows), so that layer's step brings its
-            first loads as one contiguous copy (DMA; the first step's during
-            the pass before, :meth:`_early`) and gathers only rows loaded
-            again; evaluation writes ``h^l`` as before. Same
+            first loads as one contiguous copy (DMA; the first step's written
+            on the device by the pass before, :meth:`_early`) and gathers only
+            rows loaded again; evaluation writes ``h^l`` as before. Same
             conditions as ``ordered_inputs``, and the plan's first step must
             load into slots ``0..n-1``.
     """
@@ -658,8 +667,7 @@ class Executor:
         self._whole = hand.whole
         # ∇h^1's last flushes wait in the gradient twin for the first layer's
         # backward (gradients_held); built per kind of flush on first use.
-        self._hold = not self._direct and gradients_held(
-            widths, self._whole, self.cached, n, self._tbuf.numel())
+        self._hold = not self._direct and hand.held
         self._held_by: dict[bool, tuple] = {}
         self._held = None
         self._head = None  # (the next backward pass's first reads, issued early)
@@ -738,6 +746,9 @@ class Executor:
         if self.rows_kept:
             size = n * widths[self._rows_layer]
             self._at[self._rows_layer] = (at, grads_beside(at, size))
+        self._widths = widths
+        self._early_at = early_layers([t is not None for t in self._ordered_rows], self._whole,
+                                      hand.kept_layer)
         if device.type == "cpu":
             self._blocks = chunks.blocks
         elif resident_blocks:
@@ -794,8 +805,7 @@ class Executor:
         (:func:`early_layers`), so its first step copies them on the device
         instead of loading them, and only those a later step loads again go
         to host memory."""
-        ordered = [t is not None for t in self._ordered_rows]
-        return early_layers(ordered, self._whole, self._rows_layer if self.rows_kept else None)[m]
+        return self._early_at[m]
 
     @property
     def ordered_rows(self) -> list[int]:
@@ -842,7 +852,7 @@ class Executor:
         if l in (1, self.model.num_layers):
             return self._grad_rows(l)
         n, w = self.buf.h[0].shape[0], self.buf.h[l].shape[1]
-        at = kept_grads_at(n, self.model.row_widths(), self._kept, l)
+        at = kept_grads_at(n, self._widths, self._kept, l)
         return self._rowmem[at:at + n * w].view(n, w)
 
     def _sources(self, l: int, q: int, block: Block, tbuf: Tensor) -> Tensor:
@@ -1033,7 +1043,7 @@ class Executor:
                 elif l < L - 1 and train and self._ordered_rows[l + 1] is not None:
                     ticket, k = places
                     ids = mv.take(ticket)
-                    n, stored = ids.shape[0] // 2, ids.shape[0] // 2
+                    n = stored = ids.shape[0] // 2
                     if self._early(l + 1):  # the next layer's first-step rows: on the device,
                         a, b = self._first_loads.split[c]  # (and in host memory if loaded again)
                         stored = a + b
