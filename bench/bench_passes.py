@@ -139,18 +139,20 @@ def kernels_per_pass(trace: dict, top: int) -> dict:
     return out
 
 
-def profile_passes(tr: Trainer, epoch: int, names: list[str], top: int) -> dict:
-    """:func:`kernels_per_pass` of one more (profiled) training epoch of ``tr``."""
+def profile_passes(tr: Trainer, epoch: int, names: list[str], top: int,
+                   trace: str | None = None) -> dict:
+    """:func:`kernels_per_pass` of one more (profiled) training epoch of ``tr``
+    (its Chrome trace also written to ``trace`` when given)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from hongtu.engine.executor import Executor
 
     run_pass, count = Executor._run_pass, [0]
 
-    def annotated(self, fetch, run):
+    def annotated(self, fetch, run, *args, **kwargs):
         with record_function(f"PASS {names[count[0] % len(names)]}"):
             count[0] += 1
-            return run_pass(self, fetch, run)
+            return run_pass(self, fetch, run, *args, **kwargs)
 
     Executor._run_pass = annotated
     try:
@@ -159,7 +161,7 @@ def profile_passes(tr: Trainer, epoch: int, names: list[str], top: int) -> dict:
     finally:
         Executor._run_pass = run_pass
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
+        path = Path(trace) if trace else Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         return kernels_per_pass(json.loads(path.read_text()), top)
 
@@ -177,6 +179,8 @@ def main() -> int:
     ap.add_argument("--epochs", type=int, default=4, help="epochs; the last is recorded")
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="profile one more epoch: per pass, kernel time and the N longest")
+    ap.add_argument("--trace", default=None, metavar="PATH",
+                    help="with --kernels: also write the profiled epoch's Chrome trace to PATH")
     ap.add_argument("--timeline", action="store_true",
                     help="also write the recorded epoch's raw intervals (stream, start ms, end ms)"
                          " and the plan's batches (step, part, chunk, first, last)")
@@ -238,7 +242,7 @@ def main() -> int:
                 r["h2d_bytes"] / 1e9, r["d2h_bytes"] / 1e9)
         print(f"{name:<14}" + "".join(f"{v:>10.2f}" for v in vals))
     if args.kernels:
-        result["kernels"] = profile_passes(tr, args.epochs, names, args.kernels)
+        result["kernels"] = profile_passes(tr, args.epochs, names, args.kernels, args.trace)
         print("kernels (profiled epoch, ms): pass, transfers, compute, longest compute kernels")
         for name, rec in result["kernels"].items():
             print(f"{name:<14}{rec['transfer_ms']:>9.2f}{rec['compute_ms']:>9.2f}  " + "; ".join(
