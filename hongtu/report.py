@@ -93,7 +93,8 @@ def _replication(graph: Graph, method: str, seed: int, cache_dir: str,
 def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h2d_rows: int,
              d2h_rows: int, hand, ordered: list[bool] | None = None, loaded: int = 0,
              index: tuple[int, int] = (0, 0), held: int = 0,
-             early: list[bool] | None = None, first: tuple[int, int] = (0, 0)) -> dict:
+             early: list[bool] | None = None, first: tuple[int, int] = (0, 0),
+             own: list[list[bool]] | None = None) -> dict:
     """Bytes of one training step (forward, loss, backward) as the executor moves them.
 
     ``cached[l]``: layer ``l``'s backward reads no rows, ``stored[l]``: its
@@ -112,7 +113,11 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
     (:func:`~hongtu.engine.executor.early_layers`): of ``first`` (the first
     step's rows, those only it loads;
     :func:`~hongtu.engine.executor.first_step_rows`) the first are not loaded,
-    the second not stored.
+    the second not stored. ``own``: every chunk reads its own rows among its
+    sources (``Executor(own_in_sources=True)``), ``own[1][l]`` / ``own[0][l]``:
+    layer ``l``'s forward / backward steps take them from there
+    (:func:`~hongtu.engine.executor.own_rows_in_sources`), and no own-row
+    gradient goes to host memory (it is added at the rows' slots).
     """
     n = num_nodes
     ordered = list(ordered or []) + [False] * (len(widths) - len(ordered or []))
@@ -122,6 +127,8 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
     for l in range(len(widths) - 1):
         row, out = widths[l] * itemsize, widths[l + 1] * itemsize
         dst = n * row if needs_dst[l] else 0
+        # own rows h^l[V] read in forward and backward (none where taken from the sources)
+        dst_fwd, dst_bwd = (0 if own and own[f][l] else dst for f in (1, 0))
         all_rows = whole[l]
         loads = n * row if all_rows else h2d_rows * row
         # (h^m left on the device in training, not in evaluation)
@@ -141,14 +148,14 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
             "aggregate_d2h_bytes": n * row if stored[l] else 0,
             "aggregate_h2d_bytes": n * row if stored[l] else 0,
             # own rows h^l[V] (forward and backward), ∇h^{l+1}[V] in backward
-            "range_h2d_bytes": 2 * dst + (0 if kept[l + 1] else n * out),
+            "range_h2d_bytes": dst_fwd + dst_bwd + (0 if kept[l + 1] else n * out),
             # where rows written in first-load order go and come from
             "index_h2d_bytes": index[0] * ordered[l + 1] + index[1] * ordered[l],
             # h^{l+1}[V] (∇h^L for the last layer), ∇h^l[V] of the own rows
             # (added on the device when the layer's gradients stay there whole)
             "range_d2h_bytes": (0 if l == len(widths) - 2 and kept[-1] else made)
-            + (dst if l > 0 and not all_rows else 0),
-            "evaluation_bytes": loads + dst + n * out,
+            + (dst if l > 0 and not all_rows and not own else 0),
+            "evaluation_bytes": loads + dst_fwd + n * out,
         })
     t = {k: sum(x[k] for x in layers) for k in layers[0] if k.endswith("_bytes")}
     t.pop("row_bytes")
@@ -339,6 +346,8 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         first_step_rows,
         held_rows,
         ordered_row_layers,
+        own_rows_in_sources,
+        own_rows_read,
         plan_handoffs,
         reads_rows_once,
     )
@@ -366,6 +375,8 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     stored = model.stored_aggregates(e.checkpoint)
     once = reads_rows_once(model, e.checkpoint)
     needs_dst = [bool(layer.needs_dst) for layer in model.layers]
+    own = [own_rows_in_sources(model, cached, f) for f in (False, True)] \
+        if own_rows_read(e, model, graph) else None
     tp = resolve_throughput(e)
 
     t0 = time.perf_counter()
@@ -401,7 +412,8 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         first = tuple(map(sum, zip(*map(first_step_rows, plan.plans)))) if any(early) \
             else (0, 0)
         return _traffic(widths, cached, stored, needs_dst, itemsize, n, plan.h2d_rows,
-                        plan.d2h_rows, hand, ordered, sum(counts), index, held, early, first)
+                        plan.d2h_rows, hand, ordered, sum(counts), index, held, early, first,
+                        own)
 
     t0 = time.perf_counter()
     memory = []

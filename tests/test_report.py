@@ -130,6 +130,7 @@ def test_alpha_skips_part_counts_above_half_the_vertices(tmp_path):
     [],
     ["model.layer=sage", "model.layers=3", "engine.dedup.reuse=false"],
     ["model.layer=gat", "model.heads=2", "model.hidden=8", "engine.partitioner=random"],
+    ["model.layer=gat", "model.heads=2", "model.hidden=8", "engine.dedup.p2p=false"],
     ["engine.parts=1"],
     ["engine.parts=1", "model.layers=3"],
     ["engine.whole_layers=false"],
@@ -142,7 +143,7 @@ def test_alpha_skips_part_counts_above_half_the_vertices(tmp_path):
     pytest.param(["engine.accelerator=cuda", "engine.resident=false",
                   "engine.whole_layers=false", "engine.ordered_inputs=false", "model.layers=3"],
                  marks=pytest.mark.gpu),
-], ids=["gcn-cached", "sage-no-reuse", "gat-recomputed", "gcn-whole", "gcn3-whole",
+], ids=["gcn-cached", "sage-no-reuse", "gat-recomputed", "gat-no-p2p", "gcn-whole", "gcn3-whole",
         "gcn-plan-rows", "sage3-plan-rows", "gcn3-last-rows", "gcn3-last-rows-plan",
         "gpu-ordered-rows", "gpu3-ordered-rows"])
 def test_predicted_bytes_equal_what_the_engine_moves(tmp_path, extra):
@@ -160,6 +161,8 @@ def test_predicted_bytes_equal_what_the_engine_moves(tmp_path, extra):
         # a pass counts for forward and for each gradient flush that happens
         assert [x["passes"] for x in transfers["layers"]] == [1] + [
             1 + (not ex._kept[l]) for l in range(1, len(ex._whole))]
+    if "model.layer=gat" in extra:  # (own rows among the sources: self-loops, p2p)
+        assert (trainer.executor._own_at is not None) == ("engine.dedup.p2p=false" not in extra)
     # (on a GPU the training forward writes later layers' rows in load order)
     assert bool(trainer.executor.ordered_rows) == ("engine.accelerator=cuda" in extra)
     step = trainer.run_epoch(0, evaluate=False)

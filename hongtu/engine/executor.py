@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from hongtu.config import EngineConfig
 from hongtu.dedup import DevicePlan
 from hongtu.engine.budget import first_layer_stores, row_memory, slot_widths, whole_layer_needs
 from hongtu.engine.buffers import HostBuffers, available_host_memory
@@ -51,6 +52,8 @@ from hongtu.engine.transfer import (
     engine_kernels,
     pin_blocks,
 )
+from hongtu.graph import Graph
+from hongtu.graph.transforms import has_self_loops
 from hongtu.nn import ops
 from hongtu.nn.block import Block
 from hongtu.nn.model import GNN, layer_seed
@@ -470,6 +473,44 @@ def early_layers(ordered: list[bool], whole: list[bool], rows_layer: int | None)
             for m in range(len(ordered))]
 
 
+def own_rows_in_sources(model: GNN, cached: list[bool], forward: bool) -> list[bool]:
+    """Layers whose steps take their own rows from their sources where every
+    chunk reads them there (``Executor(own_in_sources=True)``): those that read
+    them and gather their sources — not cached (a cached layer's steps read no
+    sources in backward), and in forward not reading their rows as kept (such a
+    layer aggregates them where they lie, without a gathered copy)."""
+    return [layer.needs_dst and not c
+            and not (forward and layer.cacheable and model.reads_as_kept(l))
+            for l, (layer, c) in enumerate(zip(model.layers, cached))]
+
+
+def own_rows_read(engine: EngineConfig, model: GNN, graph: Graph) -> bool:
+    """``Executor(own_in_sources=...)`` as training (and ``hongtu report``) sets
+    it: a layer reads its own rows, every vertex of ``graph`` has a self-loop,
+    and ``engine.dedup.p2p`` is on (a chunk's own rows are then loaded once per
+    batch, as a row its chunks share is)."""
+    return (engine.dedup.p2p and any(layer.needs_dst for layer in model.layers)
+            and has_self_loops(graph))
+
+
+def _own_positions(chunks: ChunkSet) -> dict[int, int]:
+    """Per chunk of ``chunks``, where its destinations lie among its sorted
+    source ids (every one of them a source: ``ValueError`` otherwise)."""
+    at = {}
+    for c, b in enumerate(chunks.blocks):
+        if b is None:
+            continue
+        src = b.src_ids.numpy()
+        p = int(np.searchsorted(src, b.dst_start))
+        n = b.num_dst
+        if n and (p + n > src.shape[0] or int(src[p]) != b.dst_start
+                  or int(src[p + n - 1]) != b.dst_start + n - 1):
+            raise ValueError(f"chunk {c} does not read all its own rows as sources "
+                             "(own_in_sources needs a self-loop on every vertex)")
+        at[c] = p
+    return at
+
+
 class _PlanOnDevice:
     """A :class:`DevicePlan`'s index arrays on the compute device, sliced per step."""
 
@@ -611,6 +652,14 @@ class Executor:
             rows loaded again; evaluation writes ``h^l`` as before. Same
             conditions as ``ordered_inputs``, and the plan's first step must
             load into slots ``0..n-1``.
+        own_in_sources: every chunk reads its destinations' own rows among
+            its sources (every vertex has a self-loop:
+            :func:`~hongtu.graph.transforms.has_self_loops`). Then a layer that
+            reads its own rows takes them from its sources where it has them
+            on the device (not cached: its step gathers the sources) instead of
+            copying them from host memory, and adds their gradients at their
+            slots with the sources' (no own-row adds in host memory; a row's
+            first flush in a pass is written).
     """
 
     def __init__(self, model: GNN, chunks: ChunkSet, buffers: HostBuffers, labels: Tensor,
@@ -619,7 +668,7 @@ class Executor:
                  comm: Comm | None = None, num_train: int | None = None,
                  overlap: bool = True, whole_layers: bool = True,
                  row_elements: int | None = None, ordered_inputs: bool = False,
-                 ordered_rows: bool = False) -> None:
+                 ordered_rows: bool = False, own_in_sources: bool = False) -> None:
         self.model = model
         self.chunks = chunks
         self.buf = buffers
@@ -631,11 +680,17 @@ class Executor:
         widths = model.row_widths()
         self.comm = comm
         self.resident = buffers.h[1].device.type == "cuda"
-        # Layers that read their destinations' own rows add those rows' gradient
-        # chunk by chunk; then a flush is written only before the row's chunk ran.
-        self._own_rows = any(layer.needs_dst for layer in model.layers[1:])
+        # Where a chunk's own rows lie among its sources (position of its first
+        # destination in its sorted source ids), when every chunk reads them.
+        self._own_at = _own_positions(chunks) if own_in_sources else None
+        self._own_src = [own_rows_in_sources(model, self.cached, f) for f in (False, True)]
+        # Otherwise layers that read their destinations' own rows add those rows'
+        # gradient in host memory chunk by chunk; then a flush is written only
+        # before the row's chunk ran.
+        self._own_host = (self._own_at is None
+                          and any(layer.needs_dst for layer in model.layers[1:]))
         self.plan = _PlanOnDevice(plan, device, chunks.row0, buffers.h[0].shape[0],
-                                  own_range=chunks.range if self._own_rows else None)
+                                  own_range=chunks.range if self._own_host else None)
         # Staging for destination rows (none when the buffers are on the device:
         # a range is then a view of them), each slot as wide as what it holds.
         max_dst = 0 if self.resident else chunks.max_rows()[1]
@@ -875,6 +930,17 @@ class Executor:
         else:
             self.buf.grad[l].index_add_(0, block.src_ids, g)
 
+    def _dst_in_sources(self, l: int, forward: bool = False) -> bool:
+        """Whether layer ``l``'s steps take their own rows from their sources
+        (``own_in_sources``): a layer that reads them and gathers its sources
+        (not cached; in forward also not aggregating its rows where they lie:
+        :func:`own_rows_in_sources`)."""
+        return self._own_at is not None and self._own_src[forward][l]
+
+    def _own_of(self, c: int, x_src: Tensor, block: Block) -> Tensor:
+        """Chunk ``c``'s own rows ``h^l[V_c]`` within its sources ``x_src`` (a view)."""
+        return x_src.narrow(0, self._own_at[c], block.num_dst)
+
     def _fetch_rows(self, l: int, i: int, s: int, first: bool, tbuf: Tensor,
                     train: bool = False):
         """The rows of ``h^l`` item ``i`` brings: a whole layer's all at the first
@@ -998,7 +1064,8 @@ class Executor:
                 self._ahead = None
                 rows = None if l == self._rows_layer and keep else ahead[0] if ahead is not None \
                     else self._fetch_rows(l, i, s, first, tbuf, train)
-                dst = mv.fetch_range(buf.h[l], v0, v1, "dst") if layer.needs_dst else None
+                dst = mv.fetch_range(buf.h[l], v0, v1, "dst") \
+                    if layer.needs_dst and not self._dst_in_sources(l, True) else None
                 # where its rows go, when the next layer's are written in first-load order
                 places = self._store_ids.fetch(self._first_loads.chunks[c]) \
                     if train and l + 1 < L and self._ordered_rows[l + 1] is not None else None
@@ -1028,9 +1095,13 @@ class Executor:
                         a = model.step_aggregate(l, block, self._sources(l, q, block, tbuf), seed)
                     else:
                         a = None
-                    out = model.step_update(l, block, a, x_dst, seed, nxt) if a is not None \
-                        else model.step_forward(l, block, self._sources(l, q, block, tbuf),
-                                                x_dst, seed, nxt)
+                    if a is not None:
+                        out = model.step_update(l, block, a, x_dst, seed, nxt)
+                    else:
+                        x_src = self._sources(l, q, block, tbuf)
+                        if self._dst_in_sources(l, True):
+                            x_dst = self._own_of(c, x_src, block)
+                        out = model.step_forward(l, block, x_src, x_dst, seed, nxt)
                     a = a if self.stored[l] and train else None  # stored for backward
                     kept = train and l == L - 1 and self._kept[-1]  # ∇h^L: where it is kept
                     grad = self._output(out, v0, v1, train, acc,
@@ -1165,7 +1236,7 @@ class Executor:
             # the end of the pass, written over what it held.
             whole = self._whole[l]
             write = (need_in and not self._direct and not whole and mv.can_write(buf.grad[l])
-                     and (self._own_rows or not layer.needs_dst))
+                     and (self._own_host or self._own_at is not None or not layer.needs_dst))
             if write:
                 buf.grad[l][torch.from_numpy(plan.unwritten)] = 0
             elif need_in and whole:
@@ -1187,7 +1258,8 @@ class Executor:
                 rows = None if self.cached[l] else self._fetch_rows(l, i, s, first, tbuf)
                 g_out = Ticket(self._kept_grads(l + 1)[v0:v1]) if self._kept[l + 1] \
                     else mv.fetch_range(buf.grad[l + 1], v0, v1, "grad")
-                dst = mv.fetch_range(buf.h[l], v0, v1, "dst") if layer.needs_dst else None
+                dst = mv.fetch_range(buf.h[l], v0, v1, "dst") \
+                    if layer.needs_dst and not self._dst_in_sources(l) else None
                 head = None
                 if i == 0:  # (its first reads may have been issued during the pass before)
                     head, self._head = self._head, None
@@ -1287,14 +1359,20 @@ class Executor:
                          if need_in and a.grad is not None else None)
             else:
                 x_src = self._sources(l, q, block, tbuf).detach().requires_grad_(need_in)
+                if self._dst_in_sources(l):  # (their gradients reach x_src's)
+                    x_dst = self._own_of(c, x_src, block)
                 out = model.step_forward(l, block, x_src, x_dst, seed, nxt)
                 _backward(out, g_out)
                 g_src = x_src.grad if need_in else None
             if g_src is not None:
                 self._add_sources(l, q, block, gbuf, g_src)
-        if need_in and x_dst is not None and x_dst.grad is not None:
+        if need_in and dst is not None and x_dst.grad is not None:
             if self._whole[l]:
                 self._grad_rows(l)[v0:v0 + x_dst.shape[0]].add_(x_dst.grad)
+            elif self._own_at is not None and not self._direct:  # at the rows' slots
+                with mv.timing("time_compute_s"):
+                    p = self._own_at[c]
+                    add_rows(gbuf, self.plan.slots(q)[p:p + x_dst.shape[0]], x_dst.grad)
             else:
                 mv.add_range(buf.grad[l], v0, x_dst.grad)
 

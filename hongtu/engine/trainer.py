@@ -46,6 +46,7 @@ from hongtu.engine.executor import (
     Executor,
     first_layer_rows,
     ordered_rows_room,
+    own_rows_read,
     plan_handoffs,
     reads_rows_once,
 )
@@ -281,7 +282,8 @@ class Trainer:
             overlap=e.overlap, whole_layers=e.whole_layers,
             row_elements=None if self.resident else row_elements,
             ordered_inputs=e.ordered_inputs and self.device.type == "cuda",
-            ordered_rows=index_bytes is not None)
+            ordered_rows=index_bytes is not None,
+            own_in_sources=own_rows_read(e, self.model, g))
         split["executor_s"] = time.perf_counter() - t
         ex, rows = self.executor, []
         if ex.whole_layers:

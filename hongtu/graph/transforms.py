@@ -28,7 +28,7 @@ import numpy as np
 
 from hongtu.graph.graph import Graph, index_dtype
 
-__all__ = ["add_self_loops", "normalize_features", "remove_self_loops",
+__all__ = ["add_self_loops", "has_self_loops", "normalize_features", "remove_self_loops",
            "to_undirected"]
 
 # Rows per slab when streaming features: ~64 MiB of float32 at a time, so a
@@ -110,6 +110,19 @@ def _self_loop_counts(indptr, indices, counts):
             if indices[k] != v:
                 c += 1
         counts[v] = c
+
+
+@numba.njit(parallel=True, cache=True)
+def _missing_self_loops(indptr, indices):
+    missing = 0
+    for v in numba.prange(indptr.shape[0] - 1):
+        found = 0
+        for k in range(indptr[v], indptr[v + 1]):
+            if indices[k] == v:
+                found = 1
+                break
+        missing += 1 - found
+    return missing
 
 
 @numba.njit(parallel=True, cache=True)
@@ -221,6 +234,20 @@ def add_self_loops(graph: Graph) -> Graph:
         The graph with ``num_nodes`` self-loops.
     """
     return _rebuild_self_loops(graph, _sorted_indices(graph), add=True)
+
+
+def has_self_loops(graph: Graph) -> bool:
+    """Whether every vertex has a self-loop :math:`(v, v)` (then every chunk
+    reads its own destinations' rows among its sources).
+
+    Example::
+
+        >>> g = Graph.from_edge_index(np.array([[0, 1], [1, 0]]), num_nodes=2)
+        >>> has_self_loops(g), has_self_loops(add_self_loops(g))
+        (False, True)
+    """
+    indptr = np.ascontiguousarray(graph.indptr, dtype=np.int64)
+    return graph.num_nodes == 0 or _missing_self_loops(indptr, graph.indices) == 0
 
 
 def _rebuild_self_loops(graph: Graph, indices: np.ndarray, add: bool) -> Graph:

@@ -15,6 +15,7 @@ import torch
 
 from hongtu.engine import BufferPlan, ChunkSet, Executor, HostBuffers, budget, executor
 from hongtu.engine.transfer import BLOCK_LAYOUT
+from hongtu.graph.transforms import has_self_loops
 from hongtu.nn import GNN, build_block, layer_seed, ops, resolve_layer
 from hongtu.nn.block import Block
 from hongtu.nn.model import reference_loss
@@ -49,13 +50,16 @@ def chunked_step(model: GNN, graph, parts: int, chunks: int, checkpoint: str, ep
                  assignment=None, device: str = "cpu", reuse: bool = True, p2p: bool = True,
                  reorg: bool = True, overlap: bool = True, resident: bool = False,
                  cache_rows: int = 0, resident_blocks: bool = True, whole: bool = False,
-                 ordered: bool = False, ordered_rows: bool = False):
+                 ordered: bool = False, ordered_rows: bool = False, own: bool | None = None):
     """One executor step on ``graph`` split into ``parts`` x ``chunks`` on ``device``
     (``cache_rows``: spare slots for rows kept across batches; ``whole``: layers
     whose rows fit the transition buffer move them all at once, which on these
     small graphs is every layer, so the plan's row paths are tested without it;
     ``ordered``: the first layer loads from a copy of its inputs in load order;
-    ``ordered_rows``: later layers' rows are written in load order in training)."""
+    ``ordered_rows``: later layers' rows are written in load order in training;
+    ``own``: chunks take their own rows from their sources, default where every
+    vertex has a self-loop, a layer reads its own rows and ``p2p``, as the
+    Trainer has it)."""
     if assignment is None:
         assignment = np.arange(graph.num_nodes) % parts
     p = chunk_partition(graph, assignment, chunks, num_parts=parts)
@@ -71,7 +75,9 @@ def chunked_step(model: GNN, graph, parts: int, chunks: int, checkpoint: str, ep
     ex = Executor(model, cs, buf, torch.from_numpy(g.y), masks_of(g), dev, plan.plans[0],
                   checkpoint=checkpoint, seed=0, overlap=overlap,
                   resident_blocks=resident_blocks, whole_layers=whole, ordered_inputs=ordered,
-                  ordered_rows=ordered_rows)
+                  ordered_rows=ordered_rows,
+                  own_in_sources=own if own is not None else (
+                      p2p and any(x.needs_dst for x in model.layers) and has_self_loops(g)))
     ex.transfer_plan = plan
     res = ex.step(epoch)
     return res, g, ex
@@ -118,6 +124,39 @@ def test_step_equals_full_graph(case, layer, chunks, checkpoint):
     res, g, _ = chunked_step(model, graph, 1, chunks, checkpoint)
     ref_loss, ref_grads = reference_step(model, g)
     assert_matches(model, res.loss, ref_loss, ref_grads)
+
+
+@pytest.mark.parametrize("parts,chunks", [(1, 5), (2, 3), (3, 3)])
+@pytest.mark.parametrize("checkpoint", ["auto", "recompute"])
+@pytest.mark.parametrize("layer", ["sage", "gin", "gat"])
+def test_own_rows_come_from_the_sources(layer, checkpoint, parts, chunks):
+    """Where every vertex has a self-loop, a chunk's own rows are among its
+    sources: layers that gather their sources take them from there instead of
+    copying them from host memory, and every layer adds their gradients at
+    their slots with the sources' (no own-row adds in host memory). The same
+    step as the reference and as without, fewer rows each way."""
+    graph = CASES["self_loops"](seed=4)
+    model = make_model(layer)
+    res, g, ex = chunked_step(model, graph, parts, chunks, checkpoint)
+    assert ex._own_at is not None and not ex._own_host
+    ref_loss, ref_grads = reference_step(model, g)
+    assert_matches(model, res.loss, ref_loss, ref_grads)
+    _, _, plain = chunked_step(make_model(layer), graph, parts, chunks, checkpoint, own=False)
+    assert plain._own_at is None and plain._own_host
+    n, layers = g.num_nodes, model.layers
+    fwd, bwd = (executor.own_rows_in_sources(model, ex.cached, f) for f in (True, False))
+    assert any(fwd) == any(bwd) == (checkpoint == "recompute" or layer == "gat")
+    t, p = ex.mover.traffic, plain.mover.traffic
+    assert p.h2d_rows - t.h2d_rows == n * (sum(fwd) + sum(bwd))
+    assert p.d2h_rows - t.d2h_rows == n * sum(x.needs_dst for x in layers[1:])
+
+
+def test_own_rows_need_them_among_the_sources():
+    """Without a self-loop on every vertex a chunk need not read its own rows
+    (isolated vertices read nothing): asked to take them there, the executor
+    refuses with the chunk it lacks them in."""
+    with pytest.raises(ValueError, match=r"chunk \d+ does not read all its own rows"):
+        chunked_step(make_model("gat"), CASES["isolated"](seed=1), 1, 3, "auto", own=True)
 
 
 @pytest.mark.parametrize("whole", [False, True], ids=["plan-rows", "whole"])

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from hongtu.graph import Graph, csc_from_edges
 from hongtu.graph.transforms import (
     add_self_loops,
+    has_self_loops,
     normalize_features,
     remove_self_loops,
     to_undirected,
@@ -70,6 +71,14 @@ def test_add_self_loops_exactly_one_per_vertex() -> None:
     loops = Counter(v for u, v in _edges(s).elements() if u == v)
     assert loops == Counter(range(5))
     assert s.num_edges == 5 + 5 and _segments_sorted(s)
+
+
+def test_has_self_loops_needs_one_on_every_vertex() -> None:
+    g = _graph([(2, 2), (0, 2), (1, 1), (0, 0)], 4)  # vertex 3 has none
+    assert not has_self_loops(g)
+    assert has_self_loops(add_self_loops(g))
+    assert not has_self_loops(remove_self_loops(add_self_loops(g)))
+    assert has_self_loops(_graph([], 0)) and not has_self_loops(_graph([], 1))
 
 
 def test_add_self_loops_sorts_unsorted_segments() -> None:
