@@ -849,6 +849,15 @@ class Executor:
                 + ["the last step's grad h^1 rows"] * self._hold)
 
     @property
+    def own_rows_from_sources(self) -> list[int]:
+        """Layers whose steps take their own rows from their sources (forward or
+        backward) instead of copying them from host memory (``own_in_sources``)."""
+        if self._own_at is None:
+            return []
+        return [l for l, (f, b) in enumerate(zip(self._own_src[True], self._own_src[False]))
+                if f or b]
+
+    @property
     def ordered_input_bytes(self) -> int:
         """Host bytes of the first layer's inputs kept in load order (0: none kept)."""
         t = self._ordered

@@ -292,6 +292,10 @@ class Trainer:
         if ex.kept_on_device:
             rows.append("kept on the device from pass to pass in training (not moved): "
                         + ", ".join(ex.kept_on_device))
+        if ex.own_rows_from_sources:
+            rows.append("own rows taken from the chunks' sources (every vertex has a "
+                        "self-loop), not copied: layers "
+                        + ", ".join(map(str, ex.own_rows_from_sources)))
         if ex.ordered_input_bytes:
             rows.append(f"first layer's inputs kept in load order (engine.ordered_inputs): "
                         f"{format_size(ex.ordered_input_bytes)} of pinned host memory")

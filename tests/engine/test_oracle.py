@@ -139,6 +139,8 @@ def test_own_rows_come_from_the_sources(layer, checkpoint, parts, chunks):
     model = make_model(layer)
     res, g, ex = chunked_step(model, graph, parts, chunks, checkpoint)
     assert ex._own_at is not None and not ex._own_host
+    assert ex.own_rows_from_sources == [l for l in range(model.num_layers)
+                                        if checkpoint == "recompute" or layer == "gat"]
     ref_loss, ref_grads = reference_step(model, g)
     assert_matches(model, res.loss, ref_loss, ref_grads)
     _, _, plain = chunked_step(make_model(layer), graph, parts, chunks, checkpoint, own=False)
