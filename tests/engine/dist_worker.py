@@ -14,6 +14,7 @@ import torch
 
 from hongtu.engine import BufferPlan, ChunkSet, Executor, HostBuffers
 from hongtu.engine.comm import init_from_env
+from hongtu.graph.transforms import has_self_loops
 from hongtu.partition import chunk_partition
 from hongtu.reorg import plan_batches
 from tests.cases import CASES
@@ -32,6 +33,8 @@ def run_rank(rank: int, world: int, port: int, out: str, jobs: list[dict]) -> No
 
 def run_job(rank, world, comm, case: str, layer: str, chunks: int, checkpoint: str,
             flags: dict, ordered_rows: bool = False) -> dict:
+    """One step and one evaluation of a job on this rank (own rows taken from the
+    sources where the case has a self-loop on every vertex, as training has it)."""
     from tests.engine.test_oracle import make_model
 
     graph = CASES[case](seed=1)
@@ -47,7 +50,9 @@ def run_job(rank, world, comm, case: str, layer: str, chunks: int, checkpoint: s
     masks = {k: torch.from_numpy(getattr(g, f"{k}_mask")[a:b]) for k in ("train", "val", "test")}
     ex = Executor(model, cs, buf, torch.from_numpy(g.y[a:b]), masks, torch.device("cpu"),
                   plan.plans[rank], checkpoint=checkpoint, seed=0, comm=comm,
-                  num_train=int(g.train_mask.sum()), ordered_rows=ordered_rows)
+                  num_train=int(g.train_mask.sum()), ordered_rows=ordered_rows,
+                  own_in_sources=flags.get("p2p", True) and has_self_loops(g)
+                  and any(x.needs_dst for x in model.layers))
     res = ex.step(3)
     step_traffic = ex.mover.traffic.as_dict()
     ex.mover.traffic.reset()
@@ -57,4 +62,5 @@ def run_job(rank, world, comm, case: str, layer: str, chunks: int, checkpoint: s
             "correct": ev.correct, "total": ev.total,
             "loads": int(plan.plans[rank].load_ids.shape[0]),
             "sends": int(plan.plans[rank].send_ids.shape[0]),
-            "own_rows": b - a, "ordered_rows": ex.ordered_rows}
+            "own_rows": b - a, "ordered_rows": ex.ordered_rows,
+            "own_from_sources": ex.own_rows_from_sources}

@@ -35,6 +35,9 @@ FLAG_JOBS = [dict(case="skewed", layer="sage", chunks=3, checkpoint=ck, flags=fl
 # later layers' rows written in first-load order (each rank its own rows)
 ORDERED_JOBS = [dict(case="skewed", layer="gcn", chunks=3, checkpoint="auto", flags=flags,
                      ordered_rows=True) for flags in (ON, OFF)]
+# own rows taken from the sources (a self-loop on every vertex)
+OWN_JOBS = [dict(case="self_loops", layer=layer, chunks=3, checkpoint=ck, flags=ON)
+            for layer in ("gat", "sage") for ck in ("auto", "recompute")]
 
 
 def free_port() -> int:
@@ -51,7 +54,8 @@ def run_world(tmp_path, world: int, jobs: list[dict]) -> list[list[dict]]:
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
-    return run_world(tmp_path_factory.mktemp("w2"), 2, LAYER_JOBS + FLAG_JOBS + ORDERED_JOBS)
+    return run_world(tmp_path_factory.mktemp("w2"), 2,
+                     LAYER_JOBS + FLAG_JOBS + ORDERED_JOBS + OWN_JOBS)
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +112,18 @@ def test_ranks_write_later_rows_in_load_order(two, k):
     ranks = two[len(LAYER_JOBS) + len(FLAG_JOBS) + k]
     assert all(r["ordered_rows"] == [1] for r in ranks)
     check_job(ranks, {key: v for key, v in job.items() if key != "ordered_rows"}, 2)
+
+
+@pytest.mark.parametrize("k", range(len(OWN_JOBS)))
+def test_ranks_take_own_rows_from_their_sources(two, k):
+    """Each rank's chunks take their own rows from their sources (received
+    from the peer or loaded) and add their gradients at their slots; the step
+    still matches one process and the reference."""
+    job = OWN_JOBS[k]
+    ranks = two[len(LAYER_JOBS) + len(FLAG_JOBS) + len(ORDERED_JOBS) + k]
+    own = [0, 1] if job["layer"] == "gat" or job["checkpoint"] == "recompute" else []
+    assert all(r["own_from_sources"] == own for r in ranks)
+    check_job(ranks, job, 2)
 
 
 def test_comm_leaves_only_the_group_it_joined(monkeypatch):
