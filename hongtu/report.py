@@ -152,7 +152,8 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
             # where rows written in first-load order go and come from
             "index_h2d_bytes": index[0] * ordered[l + 1] + index[1] * ordered[l],
             # h^{l+1}[V] (∇h^L for the last layer), ∇h^l[V] of the own rows
-            # (added on the device when the layer's gradients stay there whole)
+            # (added on the device when the layer's gradients stay there whole,
+            # or at the rows' slots with ``own``)
             "range_d2h_bytes": (0 if l == len(widths) - 2 and kept[-1] else made)
             + (dst if l > 0 and not all_rows and not own else 0),
             "evaluation_bytes": loads + dst_fwd + n * out,
