@@ -228,7 +228,7 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
         return estimate_device_bytes(
             ctx["model"], sizes, ctx["itemsize"], num_nodes=graph.num_nodes,
             buffer_rows=max(p.buffer_rows for p in devs), overlap=e.overlap,
-            load_rows=max(p.max_later_load for p in devs))
+            load_rows=max(p.max_later_load for p in devs), copied_dst=ctx["copied_dst"])
 
     once = reads_rows_once(ctx["model"], e.checkpoint)
 
@@ -300,8 +300,10 @@ def _costs(plan: TransferPlan, traffic: dict, tp: dict) -> dict:
 
 
 def _budget_and_chunks(cfg: Config, graph: Graph, assignment: np.ndarray, m: int, model,
-                       notes: list[str]) -> tuple[int | None, int, str]:
-    """``(budget, n, how n was chosen)``, as the trainer chooses (8 chunks without a budget)."""
+                       notes: list[str], copied_dst: list[bool] | None = None
+                       ) -> tuple[int | None, int, str]:
+    """``(budget, n, how n was chosen)``, as the trainer chooses (8 chunks without a
+    budget; ``copied_dst``: :func:`~hongtu.engine.executor.own_rows_copied`)."""
     import torch
 
     from hongtu.engine.budget import choose_chunks
@@ -324,7 +326,8 @@ def _budget_and_chunks(cfg: Config, graph: Graph, assignment: np.ndarray, m: int
                      f"machine without CUDA: the report uses {n} chunks per part; set "
                      "engine.device_memory to the target GPU's memory to choose as training will")
         return None, n, "auto without a budget"
-    n, _ = choose_chunks(graph, assignment, m, model, budget, 4, overlap=e.overlap)
+    n, _ = choose_chunks(graph, assignment, m, model, budget, 4, overlap=e.overlap,
+                         copied_dst=copied_dst)
     return budget, n, f"auto: fewest that fit {format_size(budget)}"
 
 
@@ -347,6 +350,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         first_step_rows,
         held_rows,
         ordered_row_layers,
+        own_rows_copied,
         own_rows_in_sources,
         own_rows_read,
         plan_handoffs,
@@ -376,8 +380,10 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     stored = model.stored_aggregates(e.checkpoint)
     once = reads_rows_once(model, e.checkpoint)
     needs_dst = [bool(layer.needs_dst) for layer in model.layers]
-    own = [own_rows_in_sources(model, cached, f) for f in (False, True)] \
-        if own_rows_read(e, model, graph) else None
+    # (as training: chunks read their own rows among their sources with self-loops)
+    own_read = own_rows_read(e, model, graph)
+    own = [own_rows_in_sources(model, cached, f) for f in (False, True)] if own_read else None
+    copied = own_rows_copied(model, cached, own_read)
     tp = resolve_throughput(e)
 
     t0 = time.perf_counter()
@@ -388,10 +394,11 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     t0 = time.perf_counter()
     assignment = assign_parts(graph, m, method=e.partitioner, seed=cfg.train.seed,
                               cache_dir=e.cache_dir)
-    budget, n, chunks_how = _budget_and_chunks(cfg, graph, assignment, m, model, notes)
+    budget, n, chunks_how = _budget_and_chunks(cfg, graph, assignment, m, model, notes,
+                                               copied)
     ctx = {"engine": e, "seed": cfg.train.seed, "throughput": tp, "devices": e.devices,
            "row_bytes": itemsize * max(widths), "model": model, "itemsize": itemsize,
-           "budget": budget,
+           "budget": budget, "copied_dst": copied,
            # (as training decides where loads and stores overlap: a GPU with overlap)
            "overlapped": e.overlap and e.accelerator != "cpu" and torch.cuda.is_available()}
     main = _plan_chunks(graph, assignment, m, n, ctx)

@@ -170,15 +170,18 @@ def grown_row_memory(memory: int, spare_bytes: int | None, num_rows: int, widths
     return max([n for n in needs if n is not None and n <= top] + [int(memory)])
 
 
-def slot_widths(model: GNN, cached: list[bool] | None = None) -> dict[str, int]:
+def slot_widths(model: GNN, cached: list[bool] | None = None,
+                copied_dst: list[bool] | None = None) -> dict[str, int]:
     """Widths of the destination-row slots a pass fills: a layer's own rows
-    (layers that read them), the cached aggregate (``cached``: the layers that
+    (``copied_dst``: the layers that copy them from host memory, default those
+    that read them), the cached aggregate (``cached``: the layers that
     store one, default :meth:`~hongtu.nn.model.GNN.stored_aggregates`), and
     ``∇h^{l+1}`` (0: unused)."""
     cached = model.stored_aggregates() if cached is None else cached
+    copied = [x.needs_dst for x in model.layers] if copied_dst is None else copied_dst
     widths = model.row_widths()
     layers = range(model.num_layers)
-    return {"dst": max((widths[l] for l in layers if model.layers[l].needs_dst), default=0),
+    return {"dst": max((widths[l] for l in layers if copied[l]), default=0),
             "aux": max((widths[l] for l in layers if cached[l]), default=0),
             "grad": max(widths[1:])}
 
@@ -186,7 +189,8 @@ def slot_widths(model: GNN, cached: list[bool] | None = None) -> dict[str, int]:
 def estimate_device_bytes(model: GNN, sizes: ChunkSizes, itemsize: int = 4,
                           training: bool = True, num_nodes: int = 0,
                           buffer_rows: int | None = None, overlap: bool = True,
-                          load_rows: int | None = None, resident: bool = False) -> int:
+                          load_rows: int | None = None, resident: bool = False,
+                          copied_dst: list[bool] | None = None) -> int:
     """Estimated peak device bytes of training ``model`` chunk by chunk.
 
     Args:
@@ -203,6 +207,8 @@ def estimate_device_bytes(model: GNN, sizes: ChunkSizes, itemsize: int = 4,
         resident: the buffers live on the device (not counted here: see
             :meth:`~hongtu.engine.buffers.BufferPlan.resident_bytes`), so
             destination rows need no staging.
+        copied_dst: the layers whose passes copy their own rows from host memory
+            (default: those that read them; :func:`slot_widths`).
     """
     widths, true = model.row_widths(), model.widths()
     max_src, max_dst = int(sizes.num_src.max()), int(sizes.num_dst.max())
@@ -210,7 +216,8 @@ def estimate_device_bytes(model: GNN, sizes: ChunkSizes, itemsize: int = 4,
     stage = (rows if load_rows is None else int(load_rows)) if overlap else 0
     ring = 0 if resident else (2 if overlap else 1)
     fixed = (row_memory(rows, widths, stage)
-             + ring * max_dst * sum(slot_widths(model).values())) * itemsize
+             + ring * max_dst * sum(slot_widths(model, copied_dst=copied_dst).values())) \
+        * itemsize
     fixed += sum(p.numel() for p in model.parameters()) * itemsize * 4
     fixed += num_nodes * 11  # labels (int64) and three masks (bool)
     fixed += _FIXED_EXTRA

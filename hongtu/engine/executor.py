@@ -484,6 +484,17 @@ def own_rows_in_sources(model: GNN, cached: list[bool], forward: bool) -> list[b
             for l, (layer, c) in enumerate(zip(model.layers, cached))]
 
 
+def own_rows_copied(model: GNN, cached: list[bool], own: bool) -> list[bool]:
+    """Layers whose passes copy their own rows from host memory (into the
+    destination-row slots): all that read them, but with ``own`` (every chunk
+    reads them among its sources) those that take them from there in forward
+    and backward alike (:func:`own_rows_in_sources`)."""
+    if not own:
+        return [layer.needs_dst for layer in model.layers]
+    fwd, bwd = (own_rows_in_sources(model, cached, f) for f in (True, False))
+    return [layer.needs_dst and not (f and b) for layer, f, b in zip(model.layers, fwd, bwd)]
+
+
 def own_rows_read(engine: EngineConfig, model: GNN, graph: Graph) -> bool:
     """``Executor(own_in_sources=...)`` as training (and ``hongtu report``) sets
     it: a layer reads its own rows, every vertex of ``graph`` has a self-loop,
@@ -694,7 +705,8 @@ class Executor:
         # Staging for destination rows (none when the buffers are on the device:
         # a range is then a view of them), each slot as wide as what it holds.
         max_dst = 0 if self.resident else chunks.max_rows()[1]
-        slot_w = slot_widths(model, self.stored)
+        slot_w = slot_widths(model, self.stored,
+                             own_rows_copied(model, self.cached, self._own_at is not None))
         # Resident on one device: chunks read h^l and add into ∇h^l in place, so
         # the transition buffer and the transfer plan are not needed.
         self._direct = self.resident and comm is None

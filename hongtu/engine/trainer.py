@@ -46,6 +46,7 @@ from hongtu.engine.executor import (
     Executor,
     first_layer_rows,
     ordered_rows_room,
+    own_rows_copied,
     own_rows_read,
     plan_handoffs,
     reads_rows_once,
@@ -162,6 +163,10 @@ class Trainer:
         self.budget = self._budget()
         stored = self.model.stored_aggregates(e.checkpoint)  # host buffers of aggregates
         once = reads_rows_once(self.model, e.checkpoint)  # (h^1 may stay on the device)
+        # Chunks read their own rows among their sources (self-loops): layers
+        # that take them from there need no device slots to copy them into.
+        own_src = own_rows_read(e, self.model, graph)
+        copied = own_rows_copied(self.model, self.model.cached_layers(e.checkpoint), own_src)
         self._chunkings = Chunkings(graph, assignment, parts)  # the chunk counts tried
         own_rows = int(self._chunkings.chunker.part_sizes[rank]) if world > 1 else graph.num_nodes
         self.resident, self.room, chunks = self._resident(
@@ -169,7 +174,8 @@ class Trainer:
             BufferPlan(own_rows, self.model.row_widths(), stored, itemsize), itemsize)
         if chunks is None and e.chunks == "auto":
             chunks, _ = choose_chunks(graph, assignment, parts, self.model, self.room, itemsize,
-                                      chunkings=self._chunkings, overlap=e.overlap)
+                                      chunkings=self._chunkings, overlap=e.overlap,
+                                      copied_dst=copied)
         elif chunks is None:
             chunks = e.chunks
         part, sizes = self._chunkings.get(chunks)  # (a part too small for them: UserError)
@@ -180,7 +186,7 @@ class Trainer:
         partition_s = time.perf_counter() - t_part
         self.estimate = estimate_device_bytes(self.model, sizes, itemsize,
                                               num_nodes=graph.num_nodes, overlap=e.overlap,
-                                              resident=self.resident)
+                                              resident=self.resident, copied_dst=copied)
         if self.room is not None and self.estimate > self.room:
             raise UserError(f"engine.chunks={chunks} needs about {format_size(self.estimate)} "
                             f"on the device but engine.device_memory is "
@@ -201,7 +207,8 @@ class Trainer:
         def estimate(dplan) -> int:  # a DevicePlan, or its DeviceNeeds before slots
             return estimate_device_bytes(
                 self.model, sizes, itemsize, num_nodes=b - a, buffer_rows=dplan.buffer_rows,
-                overlap=e.overlap, load_rows=dplan.max_later_load, resident=self.resident)
+                overlap=e.overlap, load_rows=dplan.max_later_load, resident=self.resident,
+                copied_dst=copied)
 
         blocks = resident_block_bytes(sizes, itemsize)
         if neighbours is None:  # (their sizes are the sources the count was chosen by)
@@ -283,7 +290,7 @@ class Trainer:
             row_elements=None if self.resident else row_elements,
             ordered_inputs=e.ordered_inputs and self.device.type == "cuda",
             ordered_rows=index_bytes is not None,
-            own_in_sources=own_rows_read(e, self.model, g))
+            own_in_sources=own_src)
         split["executor_s"] = time.perf_counter() - t
         ex, rows = self.executor, []
         if ex.whole_layers:

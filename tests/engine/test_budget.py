@@ -95,6 +95,35 @@ def test_estimate_counts_the_executors_row_memory_and_slots(layer, checkpoint):
                                           + max_dst * sum(slot_widths(model).values()))
 
 
+@pytest.mark.parametrize("layer", ["sage", "gat"])
+@pytest.mark.parametrize("checkpoint", ["auto", "recompute"])
+def test_own_rows_from_the_sources_need_no_slots(layer, checkpoint):
+    """Where chunks take their own rows from their sources in every pass (a
+    self-loop on every vertex; not cached), the executor allocates no slots to
+    copy them into and the estimate counts none."""
+    from hongtu.engine.executor import own_rows_copied
+    from tests.engine.test_oracle import chunked_step
+
+    graph = CASES["self_loops"](seed=2)
+    model = make_model(layer)
+    _, g, ex = chunked_step(model, graph, 1, 4, checkpoint)
+    cached = model.cached_layers(checkpoint)
+    copied = own_rows_copied(model, cached, True)
+    assert copied == own_rows_copied(model, cached, ex._own_at is not None)
+    # GAT and recomputed layers take them from the sources in both passes, but
+    # SAGE's second layer aggregates its rows where they lie in forward
+    assert copied == {"gat": [False, False], "sage": [cached[0], True]}[layer]
+    w = slot_widths(model, copied_dst=copied)["dst"]
+    assert w == (8 if any(copied) else 0)
+    max_dst = ex.chunks.max_rows()[1]
+    assert ex.mover._dev["dst"][0].numel() == max(max_dst * w, 1)
+    p = chunk_partition(g, np.zeros(g.num_nodes, dtype=np.int64), 4, num_parts=1)
+    sizes = chunk_sizes(g, p.perm, p.chunk_ptr)
+    full, fewer = (estimate_device_bytes(model, sizes, buffer_rows=9, load_rows=5,
+                                         copied_dst=c) for c in (None, copied))
+    assert full - fewer == 4 * 2 * max_dst * (8 - w)  # (two slots each, with overlap)
+
+
 def test_first_layer_moves_whole_without_a_gradient_twin():
     # widths 4 -> 8 -> 2 over 10 rows; the plan would load 11 rows per pass
     assert layers_moved_whole(10, [4, 8, 2], 40, 11, False) == [True, False]
