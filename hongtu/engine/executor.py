@@ -1251,13 +1251,14 @@ class Executor:
             # Where nothing reached a row's gradient yet in this pass, its flush
             # is written (by the GPU), later ones added; rows no flush writes are
             # zeroed. Own-row gradients (layers that read their destinations'
-            # rows) count when the plan was ordered for them; otherwise ∇h^l
-            # starts at zero and everything is added.
+            # rows) are added at their slots (own_in_sources) or in host memory
+            # chunk by chunk, which the plan's flush order counts (_own_host);
+            # where nothing can be written, ∇h^l starts at zero and everything
+            # is added.
             # A whole layer's gradients add up on the device and go to host at
             # the end of the pass, written over what it held.
             whole = self._whole[l]
-            write = (need_in and not self._direct and not whole and mv.can_write(buf.grad[l])
-                     and (self._own_host or self._own_at is not None or not layer.needs_dst))
+            write = (need_in and not self._direct and not whole and mv.can_write(buf.grad[l]))
             if write:
                 buf.grad[l][torch.from_numpy(plan.unwritten)] = 0
             elif need_in and whole:
