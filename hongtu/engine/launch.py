@@ -48,8 +48,13 @@ def _worker(argv: list[str]) -> None:
 
     code = main(argv)
     if code:
-        # A non-zero exit makes the launcher stop the other ranks.
-        sys.exit(code)
+        # A non-zero exit makes the launcher stop the other ranks. Exit at once,
+        # its message written: tearing the interpreter down first would close
+        # this rank's connections while it still runs, and a peer aborting on
+        # that could be seen as the failure before it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def launch(argv: list[str], devices: int) -> int:
@@ -68,7 +73,12 @@ def launch(argv: list[str], devices: int) -> int:
     try:
         elastic_launch(config, _worker)(argv)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        # The rank that exited by itself with a code reported its own error; ranks
+        # killed by a signal (a negative code) are mostly the others' casualties
+        # (gloo aborts a rank whose peer closed the connection), and may be seen
+        # first: the first of the former, else the first of all.
+        own = {r: f for r, f in e.failures.items() if f.exitcode and f.exitcode > 0}
+        rank, failure = min((own or e.failures).items(), key=lambda rf: rf[1].timestamp)
         code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
         print(f"hongtu: error: rank {rank} failed (exit code {failure.exitcode}); the other "
               "ranks were stopped; its message is above", file=sys.stderr)
