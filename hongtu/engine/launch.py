@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import tempfile
 import uuid
 
 import torch
@@ -48,13 +49,33 @@ def _worker(argv: list[str]) -> None:
 
     code = main(argv)
     if code:
-        # A non-zero exit makes the launcher stop the other ranks. Exit at once,
-        # its message written: tearing the interpreter down first would close
-        # this rank's connections while it still runs, and a peer aborting on
-        # that could be seen as the failure before it.
+        # A non-zero exit makes the launcher stop the other ranks. First note
+        # that this rank ended by its own error (its message is written): the
+        # peers it leaves may abort on the closed connections, and the launcher
+        # may see one of them fail before this rank.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)
+        report = os.environ.get(_FAILURES)
+        if report:
+            with open(os.path.join(report, os.environ.get("RANK", "0")), "w") as f:
+                f.write(str(code))
+        sys.exit(code)
+
+
+#: environment variable naming the folder where ranks note their own failures
+_FAILURES = "HONGTU_RANK_FAILURES"
+
+
+def _own_failure(folder: str) -> tuple[int, int] | None:
+    """``(rank, exit code)`` of the first rank that noted its own failure in
+    ``folder``, or ``None``."""
+    notes = [(os.stat(os.path.join(folder, n)).st_mtime_ns, int(n), n)
+             for n in os.listdir(folder) if n.isdigit()]
+    if not notes:
+        return None
+    _, rank, name = min(notes)
+    with open(os.path.join(folder, name)) as f:
+        return rank, int(f.read() or 1)
 
 
 def launch(argv: list[str], devices: int) -> int:
@@ -70,17 +91,24 @@ def launch(argv: list[str], devices: int) -> int:
     share = str(max(1, (os.cpu_count() or 1) // devices))
     os.environ.setdefault("OMP_NUM_THREADS", share)
     os.environ.setdefault("NUMBA_NUM_THREADS", share)
-    try:
-        elastic_launch(config, _worker)(argv)
-    except ChildFailedError as e:
-        # The rank that exited by itself with a code reported its own error; ranks
-        # killed by a signal (a negative code) are mostly the others' casualties
-        # (gloo aborts a rank whose peer closed the connection), and may be seen
-        # first: the first of the former, else the first of all.
-        own = {r: f for r, f in e.failures.items() if f.exitcode and f.exitcode > 0}
-        rank, failure = min((own or e.failures).items(), key=lambda rf: rf[1].timestamp)
-        code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
-        print(f"hongtu: error: rank {rank} failed (exit code {failure.exitcode}); the other "
-              "ranks were stopped; its message is above", file=sys.stderr)
-        return code
+    with tempfile.TemporaryDirectory(prefix="hongtu-ranks-") as folder:
+        os.environ[_FAILURES] = folder  # (the spawned ranks inherit it)
+        try:
+            elastic_launch(config, _worker)(argv)
+        except ChildFailedError as e:
+            # Name the rank that failed by its own error, not one of its casualties
+            # (the launcher reports whichever process it saw die first).
+            own = _own_failure(folder)
+            if own is None:
+                rank, failure = e.get_first_failure()
+                shown = failure.exitcode
+                code = shown if shown and shown > 0 else 1
+            else:
+                rank, code = own
+                shown = code
+            print(f"hongtu: error: rank {rank} failed (exit code {shown}); the other "
+                  "ranks were stopped; its message is above", file=sys.stderr)
+            return code
+        finally:
+            os.environ.pop(_FAILURES, None)
     return 0

@@ -109,3 +109,16 @@ def test_failure_in_one_rank_ends_all_ranks(tmp_path):
     assert "hongtu: error: rank 1: injected failure for the test" in out.stderr
     assert "rank 1 failed" in out.stderr
     assert not (tmp_path / "run" / "model.pt").exists()
+
+
+def test_the_rank_that_failed_by_itself_is_named(tmp_path):
+    """Ranks that end by their own error note it; the launcher names the first
+    of them, whatever process it saw die first."""
+    from hongtu.engine.launch import _own_failure
+
+    assert _own_failure(str(tmp_path)) is None
+    (tmp_path / "3").write_text("2")
+    os.utime(tmp_path / "3", ns=(1_000, 1_000))
+    (tmp_path / "1").write_text("1")
+    os.utime(tmp_path / "1", ns=(2_000, 2_000))
+    assert _own_failure(str(tmp_path)) == (3, 2)
