@@ -10,12 +10,13 @@ of the sized graphs are kept as messages so the edge counts are exact):
 * ``largest``: R-MAT at ``--scale`` (default 25), 128 features, hidden 128 —
   sized to one GPU machine's host memory (128 GiB).
 
-Models: ``gcn2``, ``gcn3`` (hidden 256) and ``gat2`` (4 heads x 64 = 256).
+Models: ``gcn2``, ``gcn3`` (hidden 256), ``gat2`` (4 heads x 64 = 256) and
+``sage2`` (GraphSAGE, mean, hidden 256; not in the default ``--models``).
 Systems: ``hongtu`` (dedup + reorg + overlap, spare budget keeps reused rows),
 ``baseline`` (no dedup: no reuse, P2P, reorg, kept rows, whole layers or
 ordered inputs), ``resident`` (every buffer on the
-device, HongTu-IM), ``pyg`` (PyG in memory: GCNConv on a torch CSR adjacency,
-GATConv on edge_index, or OOM); ``serial`` (hongtu without overlap),
+device, HongTu-IM), ``pyg`` (PyG in memory: GCNConv or SAGEConv on a torch
+CSR adjacency, GATConv on edge_index, or OOM); ``serial`` (hongtu without overlap),
 ``nocache`` (hongtu without kept rows), ``recompute`` (hongtu without
 cached aggregates, ``engine.checkpoint=recompute``), ``aggfirst`` (hongtu
 aggregating before every weight, ``engine.transform_first=false``) and
@@ -79,7 +80,7 @@ WORKLOADS = {
     "rmat22": dict(scale=22, features=128, classes=16, hidden=256),
     "largest": dict(scale=25, features=128, classes=16, hidden=128),
 }
-MODELS = {"gcn2": ("gcn", 2), "gcn3": ("gcn", 3), "gat2": ("gat", 2)}
+MODELS = {"gcn2": ("gcn", 2), "gcn3": ("gcn", 3), "gat2": ("gat", 2), "sage2": ("sage", 2)}
 GAT_HEADS = 4
 SYSTEMS = {
     "hongtu": {"dedup": {"reuse": True, "p2p": True}, "reorg": True, "resident": False},

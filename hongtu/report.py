@@ -94,7 +94,7 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
              d2h_rows: int, hand, ordered: list[bool] | None = None, loaded: int = 0,
              index: tuple[int, int] = (0, 0), held: int = 0,
              early: list[bool] | None = None, first: tuple[int, int] = (0, 0),
-             own: list[list[bool]] | None = None) -> dict:
+             own: list[bool] | None = None, own_forward: list[bool] | None = None) -> dict:
     """Bytes of one training step (forward, loss, backward) as the executor moves them.
 
     ``cached[l]``: layer ``l``'s backward reads no rows, ``stored[l]``: its
@@ -114,10 +114,12 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
     step's rows, those only it loads;
     :func:`~hongtu.engine.executor.first_step_rows`) the first are not loaded,
     the second not stored. ``own``: every chunk reads its own rows among its
-    sources (``Executor(own_in_sources=True)``), ``own[1][l]`` / ``own[0][l]``:
-    layer ``l``'s forward / backward steps take them from there
+    sources (``Executor(own_in_sources=True)``), ``own[l]``: layer ``l``'s
+    backward steps take them from there
     (:func:`~hongtu.engine.executor.own_rows_in_sources`), and no own-row
     gradient goes to host memory (it is added at the rows' slots).
+    ``own_forward[l]``: layer ``l``'s forward steps take them from the device
+    (:func:`~hongtu.engine.executor.own_rows_forward`).
     """
     n = num_nodes
     ordered = list(ordered or []) + [False] * (len(widths) - len(ordered or []))
@@ -127,8 +129,9 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
     for l in range(len(widths) - 1):
         row, out = widths[l] * itemsize, widths[l + 1] * itemsize
         dst = n * row if needs_dst[l] else 0
-        # own rows h^l[V] read in forward and backward (none where taken from the sources)
-        dst_fwd, dst_bwd = (0 if own and own[f][l] else dst for f in (1, 0))
+        # own rows h^l[V] read in forward and backward (none where taken from the device)
+        dst_fwd = 0 if own_forward and own_forward[l] else dst
+        dst_bwd = 0 if own and own[l] else dst
         all_rows = whole[l]
         loads = n * row if all_rows else h2d_rows * row
         # (h^m left on the device in training, not in evaluation)
@@ -351,6 +354,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         held_rows,
         ordered_row_layers,
         own_rows_copied,
+        own_rows_forward,
         own_rows_in_sources,
         own_rows_read,
         plan_handoffs,
@@ -382,7 +386,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     needs_dst = [bool(layer.needs_dst) for layer in model.layers]
     # (as training: chunks read their own rows among their sources with self-loops)
     own_read = own_rows_read(e, model, graph)
-    own = [own_rows_in_sources(model, cached, f) for f in (False, True)] if own_read else None
+    own = own_rows_in_sources(model, cached) if own_read else None
     copied = own_rows_copied(model, cached, own_read)
     tp = resolve_throughput(e)
 
@@ -419,9 +423,12 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         early = early_layers(ordered, hand.whole, hand.kept_layer)
         first = tuple(map(sum, zip(*map(first_step_rows, plan.plans)))) if any(early) \
             else (0, 0)
+        # (a cached first layer of one process drops its rows in their slots)
+        fwd = own_rows_forward(model, hand.whole,
+                               e.devices == 1 and not hand.whole[0] and cached[0], own_read)
         return _traffic(widths, cached, stored, needs_dst, itemsize, n, plan.h2d_rows,
                         plan.d2h_rows, hand, ordered, sum(counts), index, held, early, first,
-                        own)
+                        own, fwd)
 
     t0 = time.perf_counter()
     memory = []

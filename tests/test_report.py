@@ -137,6 +137,9 @@ def test_alpha_skips_part_counts_above_half_the_vertices(tmp_path):
     ["engine.whole_layers=false", "model.layers=3", "model.layer=sage"],
     ["engine.parts=1", "model.layers=3", "engine.chunks=8"],
     ["engine.parts=1", "model.layers=3", "engine.chunks=16"],
+    ["engine.parts=1", "model.layer=sage"],
+    ["model.layer=sage", "engine.dedup.p2p=false", "engine.whole_layers=false"],
+    ["model.layer=gin", "engine.checkpoint=recompute", "engine.whole_layers=false"],
     pytest.param(["engine.accelerator=cuda", "engine.resident=false",
                   "engine.whole_layers=false", "engine.ordered_inputs=false"],
                  marks=pytest.mark.gpu),
@@ -145,6 +148,7 @@ def test_alpha_skips_part_counts_above_half_the_vertices(tmp_path):
                  marks=pytest.mark.gpu),
 ], ids=["gcn-cached", "sage-no-reuse", "gat-recomputed", "gat-no-p2p", "gcn-whole", "gcn3-whole",
         "gcn-plan-rows", "sage3-plan-rows", "gcn3-last-rows", "gcn3-last-rows-plan",
+        "sage-whole", "sage-no-p2p", "gin-recomputed",
         "gpu-ordered-rows", "gpu3-ordered-rows"])
 def test_predicted_bytes_equal_what_the_engine_moves(tmp_path, extra):
 
@@ -161,7 +165,8 @@ def test_predicted_bytes_equal_what_the_engine_moves(tmp_path, extra):
         # a pass counts for forward and for each gradient flush that happens
         assert [x["passes"] for x in transfers["layers"]] == [1] + [
             1 + (not ex._kept[l]) for l in range(1, len(ex._whole))]
-    if "model.layer=gat" in extra:  # (own rows among the sources: self-loops, p2p)
+    if any(x in extra for x in ("model.layer=gat", "model.layer=sage", "model.layer=gin")):
+        # (own rows among the sources: self-loops, p2p)
         assert (trainer.executor._own_at is not None) == ("engine.dedup.p2p=false" not in extra)
     # (on a GPU the training forward writes later layers' rows in load order)
     assert bool(trainer.executor.ordered_rows) == ("engine.accelerator=cuda" in extra)

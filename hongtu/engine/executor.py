@@ -473,26 +473,40 @@ def early_layers(ordered: list[bool], whole: list[bool], rows_layer: int | None)
             for m in range(len(ordered))]
 
 
-def own_rows_in_sources(model: GNN, cached: list[bool], forward: bool) -> list[bool]:
-    """Layers whose steps take their own rows from their sources where every
-    chunk reads them there (``Executor(own_in_sources=True)``): those that read
-    them and gather their sources — not cached (a cached layer's steps read no
-    sources in backward), and in forward not reading their rows as kept (such a
-    layer aggregates them where they lie, without a gathered copy)."""
-    return [layer.needs_dst and not c
-            and not (forward and layer.cacheable and model.reads_as_kept(l))
-            for l, (layer, c) in enumerate(zip(model.layers, cached))]
+def own_rows_in_sources(model: GNN, cached: list[bool]) -> list[bool]:
+    """Layers whose backward steps take their own rows from their sources where
+    every chunk reads them there (``Executor(own_in_sources=True)``): those that
+    read them and gather their sources — not cached (a cached layer's backward
+    reads no sources). (Forward steps: :func:`own_rows_forward`.)"""
+    return [layer.needs_dst and not c for layer, c in zip(model.layers, cached)]
 
 
 def own_rows_copied(model: GNN, cached: list[bool], own: bool) -> list[bool]:
     """Layers whose passes copy their own rows from host memory (into the
     destination-row slots): all that read them, but with ``own`` (every chunk
-    reads them among its sources) those that take them from there in forward
-    and backward alike (:func:`own_rows_in_sources`)."""
+    reads them among its sources) only those that copy them in backward
+    (cached: :func:`own_rows_in_sources`); forward steps then take them from
+    the device (:func:`own_rows_forward`), all but a cached first layer's,
+    whose backward copies them anyway."""
     if not own:
         return [layer.needs_dst for layer in model.layers]
-    fwd, bwd = (own_rows_in_sources(model, cached, f) for f in (True, False))
-    return [layer.needs_dst and not (f and b) for layer, f, b in zip(model.layers, fwd, bwd)]
+    return [layer.needs_dst and not b
+            for layer, b in zip(model.layers, own_rows_in_sources(model, cached))]
+
+
+def own_rows_forward(model: GNN, whole: list[bool], first_in_slots: bool, own: bool,
+                     direct: bool = False) -> list[bool]:
+    """Layers whose forward steps take their own rows ``h^l[V_c]`` from the rows
+    on the device instead of copying them from host memory: a layer whose rows
+    are all there (``whole``: a view of them), and with ``own`` (every chunk
+    reads its own rows among its sources) every layer that reads them — from
+    its gathered sources, or from its rows' slots where it aggregates them
+    there (cached layers too: their backward still copies them) — except a
+    first layer whose slots hold its rows dropped out (``first_in_slots``).
+    None when the buffers are on one device (``direct``: a range is a view)."""
+    return [layer.needs_dst and not direct
+            and (whole[l] or (own and not (l == 0 and first_in_slots)))
+            for l, layer in enumerate(model.layers)]
 
 
 def own_rows_read(engine: EngineConfig, model: GNN, graph: Graph) -> bool:
@@ -694,7 +708,7 @@ class Executor:
         # Where a chunk's own rows lie among its sources (position of its first
         # destination in its sorted source ids), when every chunk reads them.
         self._own_at = _own_positions(chunks) if own_in_sources else None
-        self._own_src = [own_rows_in_sources(model, self.cached, f) for f in (False, True)]
+        self._own_src = own_rows_in_sources(model, self.cached)  # (backward)
         # Otherwise layers that read their destinations' own rows add those rows'
         # gradient in host memory chunk by chunk; then a flush is written only
         # before the row's chunk ran.
@@ -797,6 +811,9 @@ class Executor:
         self._in_slots = [self._first_in_slots] + [
             k and not self._direct and not w for w, k in zip(self._whole[1:], as_kept[1:])]
         self._piece = max(chunks.max_rows()[0], 1)  # rows dropped at a time
+        # Forward steps take their own rows from the device where they are there.
+        self._fwd_own = own_rows_forward(model, self._whole, self._first_in_slots,
+                                         self._own_at is not None, self._direct)
         # Gradients handed from pass to pass in the row memory.
         self._kept = hand.kept
         lacking = [l for l in range(1, len(widths))
@@ -862,12 +879,12 @@ class Executor:
 
     @property
     def own_rows_from_sources(self) -> list[int]:
-        """Layers whose steps take their own rows from their sources (forward or
-        backward) instead of copying them from host memory (``own_in_sources``)."""
+        """Layers whose steps take their own rows from the chunks' sources
+        (forward or backward: ``own_in_sources``; in forward from where the
+        sources lie on the device) instead of copying them from host memory."""
         if self._own_at is None:
             return []
-        return [l for l, (f, b) in enumerate(zip(self._own_src[True], self._own_src[False]))
-                if f or b]
+        return [l for l, (f, b) in enumerate(zip(self._fwd_own, self._own_src)) if f or b]
 
     @property
     def ordered_input_bytes(self) -> int:
@@ -951,16 +968,27 @@ class Executor:
         else:
             self.buf.grad[l].index_add_(0, block.src_ids, g)
 
-    def _dst_in_sources(self, l: int, forward: bool = False) -> bool:
-        """Whether layer ``l``'s steps take their own rows from their sources
-        (``own_in_sources``): a layer that reads them and gathers its sources
-        (not cached; in forward also not aggregating its rows where they lie:
-        :func:`own_rows_in_sources`)."""
-        return self._own_at is not None and self._own_src[forward][l]
+    def _dst_in_sources(self, l: int) -> bool:
+        """Whether layer ``l``'s backward steps take their own rows from their
+        sources (``own_in_sources``; :func:`own_rows_in_sources`)."""
+        return self._own_at is not None and self._own_src[l]
 
     def _own_of(self, c: int, x_src: Tensor, block: Block) -> Tensor:
         """Chunk ``c``'s own rows ``h^l[V_c]`` within its sources ``x_src`` (a view)."""
         return x_src.narrow(0, self._own_at[c], block.num_dst)
+
+    def _own_forward(self, l: int, q: int, c: int, block: Block, tbuf: Tensor,
+                     x_src: Tensor | None) -> Tensor:
+        """Chunk ``c``'s own rows of ``h^l`` for a forward step (:func:`own_rows_forward`):
+        a view of a whole layer's rows or of the gathered sources ``x_src``, else
+        (a layer aggregating its rows in their slots) a copy from their slots."""
+        if self._whole[l]:
+            v0, v1 = self.chunks.range(c)
+            return self._whole_rows(l)[v0:v1]
+        if x_src is not None:
+            return self._own_of(c, x_src, block)
+        p = self._own_at[c]
+        return tbuf.index_select(0, self.plan.slots(q)[p:p + block.num_dst])
 
     def _fetch_rows(self, l: int, i: int, s: int, first: bool, tbuf: Tensor,
                     train: bool = False):
@@ -1086,7 +1114,7 @@ class Executor:
                 rows = None if l == self._rows_layer and keep else ahead[0] if ahead is not None \
                     else self._fetch_rows(l, i, s, first, tbuf, train)
                 dst = mv.fetch_range(buf.h[l], v0, v1, "dst") \
-                    if layer.needs_dst and not self._dst_in_sources(l, True) else None
+                    if layer.needs_dst and not self._fwd_own[l] else None
                 # where its rows go, when the next layer's are written in first-load order
                 places = self._store_ids.fetch(self._first_loads.chunks[c]) \
                     if train and l + 1 < L and self._ordered_rows[l + 1] is not None else None
@@ -1108,20 +1136,23 @@ class Executor:
                 v0, v1 = self.chunks.range(c)
                 x_dst = mv.take(dst) if dst is not None else None
                 with mv.timing("time_compute_s"):
+                    x_src = None
                     if self._in_place[l]:
                         a = ops.aggregate_rows(block, self._whole_rows(l), layer.aggr)
                     elif in_slots:
                         a = ops.aggregate_rows(block, tbuf, layer.aggr, self.plan.slots(q))
                     elif self.cached[l] and train:
-                        a = model.step_aggregate(l, block, self._sources(l, q, block, tbuf), seed)
+                        x_src = self._sources(l, q, block, tbuf)
+                        a = model.step_aggregate(l, block, x_src, seed)
                     else:
                         a = None
+                    if a is None:
+                        x_src = self._sources(l, q, block, tbuf)
+                    if self._fwd_own[l]:
+                        x_dst = self._own_forward(l, q, c, block, tbuf, x_src)
                     if a is not None:
                         out = model.step_update(l, block, a, x_dst, seed, nxt)
                     else:
-                        x_src = self._sources(l, q, block, tbuf)
-                        if self._dst_in_sources(l, True):
-                            x_dst = self._own_of(c, x_src, block)
                         out = model.step_forward(l, block, x_src, x_dst, seed, nxt)
                     a = a if self.stored[l] and train else None  # stored for backward
                     kept = train and l == L - 1 and self._kept[-1]  # ∇h^L: where it is kept

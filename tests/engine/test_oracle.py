@@ -139,15 +139,17 @@ def test_own_rows_come_from_the_sources(layer, checkpoint, parts, chunks):
     model = make_model(layer)
     res, g, ex = chunked_step(model, graph, parts, chunks, checkpoint)
     assert ex._own_at is not None and not ex._own_host
-    assert ex.own_rows_from_sources == [l for l in range(model.num_layers)
-                                        if checkpoint == "recompute" or layer == "gat"]
+    # forward: every layer but a cached first one (its slots hold its rows dropped
+    # out: it copies them); backward: layers that gather their sources
+    fwd, bwd = ex._fwd_own, executor.own_rows_in_sources(model, ex.cached)
+    assert fwd == [l > 0 or not ex.cached[0] for l in range(model.num_layers)]
+    assert bwd == [checkpoint == "recompute" or layer == "gat"] * model.num_layers
+    assert ex.own_rows_from_sources == [l for l in range(model.num_layers) if fwd[l] or bwd[l]]
     ref_loss, ref_grads = reference_step(model, g)
     assert_matches(model, res.loss, ref_loss, ref_grads)
     _, _, plain = chunked_step(make_model(layer), graph, parts, chunks, checkpoint, own=False)
     assert plain._own_at is None and plain._own_host
     n, layers = g.num_nodes, model.layers
-    fwd, bwd = (executor.own_rows_in_sources(model, ex.cached, f) for f in (True, False))
-    assert any(fwd) == any(bwd) == (checkpoint == "recompute" or layer == "gat")
     t, p = ex.mover.traffic, plain.mover.traffic
     assert p.h2d_rows - t.h2d_rows == n * (sum(fwd) + sum(bwd))
     assert p.d2h_rows - t.d2h_rows == n * sum(x.needs_dst for x in layers[1:])
@@ -405,7 +407,10 @@ def test_whole_layers_move_all_rows_once(layer, checkpoint):
     assert rows > n  # (the plan would move more)
     passes = L + (0 if cached else L)
     t, p = ex.mover.traffic, plain.mover.traffic
-    assert p.h2d_rows - t.h2d_rows == passes * (rows - n) + 2 * n * cached + n * kept_rows
+    # (and forward steps take their own rows from the whole rows: a view)
+    assert ex._fwd_own == [x.needs_dst for x in model.layers] and not any(plain._fwd_own)
+    assert p.h2d_rows - t.h2d_rows == (passes * (rows - n) + 2 * n * cached + n * kept_rows
+                                       + n * sum(ex._fwd_own))
     # ∇h^1: one whole write (none when kept) instead of the flushes and the
     # own-row adds; ∇h^2 not stored when kept
     own = n if model.layers[1].needs_dst else 0
@@ -469,7 +474,11 @@ def test_first_layer_whole_beside_plan_rows(layer, checkpoint):
     rows = plain.transfer_plan.h2d_rows
     passes = 1 if ex.cached[0] else 2  # forward, and backward when it reloads them
     t, p = ex.mover.traffic, plain.mover.traffic
-    assert p.h2d_rows - t.h2d_rows == passes * (rows - n)
+    # (a whole cached first layer's forward takes its own rows from them, one
+    # moving the plan's rows copies them: its slots hold them dropped out)
+    own = sum(ex._fwd_own) - sum(plain._fwd_own)
+    assert own == (model.layers[0].needs_dst and ex.cached[0])
+    assert p.h2d_rows - t.h2d_rows == passes * (rows - n) + own * n
     # (the first layer flushes no gradient; the second its last step's where
     # the first layer's backward leaves them on the device)
     assert p.d2h_rows + held(plain) == t.d2h_rows + held(ex)
