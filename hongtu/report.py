@@ -423,9 +423,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         early = early_layers(ordered, hand.whole, hand.kept_layer)
         first = tuple(map(sum, zip(*map(first_step_rows, plan.plans)))) if any(early) \
             else (0, 0)
-        # (a cached first layer of one process drops its rows in their slots)
-        fwd = own_rows_forward(model, hand.whole,
-                               e.devices == 1 and not hand.whole[0] and cached[0], own_read)
+        fwd = own_rows_forward(model, hand.whole, own_read)
         return _traffic(widths, cached, stored, needs_dst, itemsize, n, plan.h2d_rows,
                         plan.d2h_rows, hand, ordered, sum(counts), index, held, early, first,
                         own, fwd)

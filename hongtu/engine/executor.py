@@ -486,26 +486,24 @@ def own_rows_copied(model: GNN, cached: list[bool], own: bool) -> list[bool]:
     destination-row slots): all that read them, but with ``own`` (every chunk
     reads them among its sources) only those that copy them in backward
     (cached: :func:`own_rows_in_sources`); forward steps then take them from
-    the device (:func:`own_rows_forward`), all but a cached first layer's,
-    whose backward copies them anyway."""
+    the device (:func:`own_rows_forward`)."""
     if not own:
         return [layer.needs_dst for layer in model.layers]
     return [layer.needs_dst and not b
             for layer, b in zip(model.layers, own_rows_in_sources(model, cached))]
 
 
-def own_rows_forward(model: GNN, whole: list[bool], first_in_slots: bool, own: bool,
+def own_rows_forward(model: GNN, whole: list[bool], own: bool,
                      direct: bool = False) -> list[bool]:
     """Layers whose forward steps take their own rows ``h^l[V_c]`` from the rows
     on the device instead of copying them from host memory: a layer whose rows
     are all there (``whole``: a view of them), and with ``own`` (every chunk
     reads its own rows among its sources) every layer that reads them — from
     its gathered sources, or from its rows' slots where it aggregates them
-    there (cached layers too: their backward still copies them) — except a
-    first layer whose slots hold its rows dropped out (``first_in_slots``).
-    None when the buffers are on one device (``direct``: a range is a view)."""
-    return [layer.needs_dst and not direct
-            and (whole[l] or (own and not (l == 0 and first_in_slots)))
+    there (cached layers too: their backward still copies them; a first
+    layer's slots hold its rows dropped out, as its update reads them). None
+    when the buffers are on one device (``direct``: a range is a view)."""
+    return [layer.needs_dst and not direct and (whole[l] or own)
             for l, layer in enumerate(model.layers)]
 
 
@@ -812,8 +810,8 @@ class Executor:
             k and not self._direct and not w for w, k in zip(self._whole[1:], as_kept[1:])]
         self._piece = max(chunks.max_rows()[0], 1)  # rows dropped at a time
         # Forward steps take their own rows from the device where they are there.
-        self._fwd_own = own_rows_forward(model, self._whole, self._first_in_slots,
-                                         self._own_at is not None, self._direct)
+        self._fwd_own = own_rows_forward(model, self._whole, self._own_at is not None,
+                                         self._direct)
         # Gradients handed from pass to pass in the row memory.
         self._kept = hand.kept
         lacking = [l for l in range(1, len(widths))
@@ -1151,7 +1149,10 @@ class Executor:
                     if self._fwd_own[l]:
                         x_dst = self._own_forward(l, q, c, block, tbuf, x_src)
                     if a is not None:
-                        out = model.step_update(l, block, a, x_dst, seed, nxt)
+                        # (a first layer's own rows from its slots: dropped out already)
+                        out = model.step_update(l, block, a, x_dst, seed, nxt,
+                                                dst_dropped=(l == 0 and in_slots and train
+                                                             and self._fwd_own[l]))
                     else:
                         out = model.step_forward(l, block, x_src, x_dst, seed, nxt)
                     a = a if self.stored[l] and train else None  # stored for backward

@@ -190,15 +190,18 @@ class GNN(nn.Module):
         return self.layers[l].aggregate(block, self._drop_input(l, x_src, block.src_ids, seed))
 
     def step_update(self, l: int, block: Block, a: Tensor, x_dst: Tensor | None,
-                    seed: int, next_seed: int | None = None) -> Tensor:
-        """Cacheable layers: ``h^{l+1}[V]`` from the aggregate and the own rows."""
+                    seed: int, next_seed: int | None = None,
+                    dst_dropped: bool = False) -> Tensor:
+        """Cacheable layers: ``h^{l+1}[V]`` from the aggregate and the own rows
+        (``dst_dropped``: ``x_dst`` has layer ``l``'s dropout applied already,
+        as :meth:`drop_sources_into` puts rows in their slots)."""
         block.seed = seed
         layer = self.layers[l]
         if self.transforms_first(l):
             out = layer.finish(a)
         else:
-            xd = self._drop_input(l, x_dst, block.dst_ids(), seed) if x_dst is not None \
-                else None
+            xd = None if x_dst is None else x_dst if dst_dropped else \
+                self._drop_input(l, x_dst, block.dst_ids(), seed)
             out = layer.update(a, xd)
         return self._emit(l, out, block, next_seed)
 

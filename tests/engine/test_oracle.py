@@ -139,10 +139,11 @@ def test_own_rows_come_from_the_sources(layer, checkpoint, parts, chunks):
     model = make_model(layer)
     res, g, ex = chunked_step(model, graph, parts, chunks, checkpoint)
     assert ex._own_at is not None and not ex._own_host
-    # forward: every layer but a cached first one (its slots hold its rows dropped
-    # out: it copies them); backward: layers that gather their sources
+    # forward: every layer (a cached first one from its slots, which hold its rows
+    # dropped out); backward: layers that gather their sources
     fwd, bwd = ex._fwd_own, executor.own_rows_in_sources(model, ex.cached)
-    assert fwd == [l > 0 or not ex.cached[0] for l in range(model.num_layers)]
+    assert fwd == [True] * model.num_layers
+    assert ex._in_slots[0] == ex.cached[0]
     assert bwd == [checkpoint == "recompute" or layer == "gat"] * model.num_layers
     assert ex.own_rows_from_sources == [l for l in range(model.num_layers) if fwd[l] or bwd[l]]
     ref_loss, ref_grads = reference_step(model, g)
@@ -474,11 +475,10 @@ def test_first_layer_whole_beside_plan_rows(layer, checkpoint):
     rows = plain.transfer_plan.h2d_rows
     passes = 1 if ex.cached[0] else 2  # forward, and backward when it reloads them
     t, p = ex.mover.traffic, plain.mover.traffic
-    # (a whole cached first layer's forward takes its own rows from them, one
-    # moving the plan's rows copies them: its slots hold them dropped out)
-    own = sum(ex._fwd_own) - sum(plain._fwd_own)
-    assert own == (model.layers[0].needs_dst and ex.cached[0])
-    assert p.h2d_rows - t.h2d_rows == passes * (rows - n) + own * n
+    # (forward steps take their own rows from the device either way: from the
+    # whole rows, or from the sources or slots)
+    assert ex._fwd_own == plain._fwd_own
+    assert p.h2d_rows - t.h2d_rows == passes * (rows - n)
     # (the first layer flushes no gradient; the second its last step's where
     # the first layer's backward leaves them on the device)
     assert p.d2h_rows + held(plain) == t.d2h_rows + held(ex)
