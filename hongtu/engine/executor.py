@@ -1413,11 +1413,17 @@ class Executor:
                          if need_in and a.grad is not None else None)
             else:
                 x_src = self._sources(l, q, block, tbuf).detach().requires_grad_(need_in)
-                if self._dst_in_sources(l):  # (their gradients reach x_src's)
-                    x_dst = self._own_of(c, x_src, block)
+                own = self._dst_in_sources(l)
+                if own:  # (a view outside autograd: its gradient is added into x_src's
+                    # below, in place, not through a zero-padded copy of all sources)
+                    x_dst = self._own_of(c, x_src.detach(), block).requires_grad_(need_in)
                 out = model.step_forward(l, block, x_src, x_dst, seed, nxt)
                 _backward(out, g_out)
                 g_src = x_src.grad if need_in else None
+                if own and need_in and x_dst.grad is not None:
+                    if g_src is None:
+                        g_src = torch.zeros_like(x_src)
+                    self._own_of(c, g_src, block).add_(x_dst.grad)
             if g_src is not None:
                 self._add_sources(l, q, block, gbuf, g_src)
         if need_in and dst is not None and x_dst.grad is not None:
