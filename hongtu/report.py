@@ -233,7 +233,7 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
             buffer_rows=max(p.buffer_rows for p in devs), overlap=e.overlap,
             load_rows=max(p.max_later_load for p in devs), copied_dst=ctx["copied_dst"])
 
-    once = reads_rows_once(ctx["model"], e.checkpoint)
+    once = reads_rows_once(ctx["model"], ctx["checkpoint"])
 
     def cache_rows(needs) -> int:
         # As training does: the budget the plan leaves keeps reused rows resident.
@@ -258,7 +258,7 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
     left, _ = leftover_bytes(ctx["budget"], need, resident_block_bytes(sizes, ctx["itemsize"]))
     left = left if e.whole_layers else None
     first_rows, first_stores = first_layer_rows(
-        first, widths, ctx["model"].cached_layers(e.checkpoint), ctx["overlapped"])
+        first, widths, ctx["model"].cached_layers(ctx["checkpoint"]), ctx["overlapped"])
     rows = grown_row_memory(plan_rows, left, graph.num_nodes, widths,
                             int(first.load_ids.shape[0]), ctx["devices"] > 1, ctx["itemsize"],
                             keep_rows=len(once) > 1 and once[1], first_rows=first_rows,
@@ -359,6 +359,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         own_rows_read,
         plan_handoffs,
         reads_rows_once,
+        resolved_checkpoint,
     )
     from hongtu.engine.trainer import load_data
     from hongtu.nn.model import build_model
@@ -380,12 +381,14 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
                      f"made for engine.parts={e.devices}, not {m}")
         m = e.devices
     widths, itemsize = model.row_widths(), 4
-    cached = model.cached_layers(e.checkpoint)
-    stored = model.stored_aggregates(e.checkpoint)
-    once = reads_rows_once(model, e.checkpoint)
-    needs_dst = [bool(layer.needs_dst) for layer in model.layers]
-    # (as training: chunks read their own rows among their sources with self-loops)
+    # (as training: chunks read their own rows among their sources with self-loops;
+    # out of core, layers reading them then recompute under checkpoint auto)
     own_read = own_rows_read(e, model, graph)
+    checkpoint = resolved_checkpoint(e.checkpoint, own_read)
+    cached = model.cached_layers(checkpoint)
+    stored = model.stored_aggregates(checkpoint)
+    once = reads_rows_once(model, checkpoint)
+    needs_dst = [bool(layer.needs_dst) for layer in model.layers]
     own = own_rows_in_sources(model, cached) if own_read else None
     copied = own_rows_copied(model, cached, own_read)
     tp = resolve_throughput(e)
@@ -402,7 +405,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
                                                copied)
     ctx = {"engine": e, "seed": cfg.train.seed, "throughput": tp, "devices": e.devices,
            "row_bytes": itemsize * max(widths), "model": model, "itemsize": itemsize,
-           "budget": budget, "copied_dst": copied,
+           "budget": budget, "copied_dst": copied, "checkpoint": checkpoint,
            # (as training decides where loads and stores overlap: a GPU with overlap)
            "overlapped": e.overlap and e.accelerator != "cpu" and torch.cuda.is_available()}
     main = _plan_chunks(graph, assignment, m, n, ctx)

@@ -507,6 +507,16 @@ def own_rows_forward(model: GNN, whole: list[bool], own: bool,
             for l, layer in enumerate(model.layers)]
 
 
+def resolved_checkpoint(checkpoint: str, own: bool) -> str:
+    """``engine.checkpoint`` as a run applies it: ``auto`` out of core where every
+    chunk reads its own rows among its sources (``own``: :func:`own_rows_read`,
+    not resident) recomputes the layers that read them (``"own"``:
+    :meth:`~hongtu.nn.model.GNN.cached_layers`): their backward then loads the
+    plan's rows, own rows among them, instead of the cached aggregate and a
+    copy of the own rows (products-like SAGE 2x256 0.328 against 0.383 s)."""
+    return "own" if checkpoint == "auto" and own else checkpoint
+
+
 def own_rows_read(engine: EngineConfig, model: GNN, graph: Graph) -> bool:
     """``Executor(own_in_sources=...)`` as training (and ``hongtu report``) sets
     it: a layer reads its own rows, every vertex of ``graph`` has a self-loop,

@@ -50,6 +50,7 @@ from hongtu.engine.executor import (
     own_rows_read,
     plan_handoffs,
     reads_rows_once,
+    resolved_checkpoint,
 )
 from hongtu.errors import UserError
 from hongtu.graph import Graph
@@ -161,17 +162,21 @@ class Trainer:
             self.comm.barrier()
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.budget = self._budget()
-        stored = self.model.stored_aggregates(e.checkpoint)  # host buffers of aggregates
-        once = reads_rows_once(self.model, e.checkpoint)  # (h^1 may stay on the device)
         # Chunks read their own rows among their sources (self-loops): layers
         # that take them from there need no device slots to copy them into.
         own_src = own_rows_read(e, self.model, graph)
-        copied = own_rows_copied(self.model, self.model.cached_layers(e.checkpoint), own_src)
         self._chunkings = Chunkings(graph, assignment, parts)  # the chunk counts tried
         own_rows = int(self._chunkings.chunker.part_sizes[rank]) if world > 1 else graph.num_nodes
         self.resident, self.room, chunks = self._resident(
             graph, assignment, parts,
-            BufferPlan(own_rows, self.model.row_widths(), stored, itemsize), itemsize)
+            BufferPlan(own_rows, self.model.row_widths(),
+                       self.model.stored_aggregates(e.checkpoint), itemsize), itemsize)
+        # (out of core, layers reading their own rows among their sources recompute)
+        self.checkpoint_mode = resolved_checkpoint(e.checkpoint, own_src and not self.resident)
+        stored = self.model.stored_aggregates(self.checkpoint_mode)  # host buffers of aggregates
+        once = reads_rows_once(self.model, self.checkpoint_mode)  # (h^1 may stay on the device)
+        copied = own_rows_copied(self.model, self.model.cached_layers(self.checkpoint_mode),
+                                 own_src)
         if chunks is None and e.chunks == "auto":
             chunks, _ = choose_chunks(graph, assignment, parts, self.model, self.room, itemsize,
                                       chunkings=self._chunkings, overlap=e.overlap,
@@ -244,7 +249,7 @@ class Trainer:
         left = None if self.resident or not e.whole_layers else left
         stage = dplan.max_later_load if e.overlap else 0  # staging rows of the row memory
         plan_rows = row_memory(dplan.buffer_rows, widths, stage)
-        cached = self.model.cached_layers(e.checkpoint)
+        cached = self.model.cached_layers(self.checkpoint_mode)
         overlapped = e.overlap and self.device.type == "cuda"  # (loads beside stores)
         first_rows, first_stores = first_layer_rows(dplan, widths, cached, overlapped)
         row_elements = grown_row_memory(
@@ -284,7 +289,7 @@ class Trainer:
         self.executor = Executor(
             self.model, self.chunks, buffers,
             torch.from_numpy(np.asarray(g.y[a:b], dtype=np.int64)), masks, self.device,
-            self.transfer_plan.plans[rank], e.checkpoint, cfg.train.seed,
+            self.transfer_plan.plans[rank], self.checkpoint_mode, cfg.train.seed,
             resident_blocks=self.blocks_fit, comm=self.comm, num_train=int(np.sum(g.train_mask)),
             overlap=e.overlap, whole_layers=e.whole_layers,
             row_elements=None if self.resident else row_elements,
@@ -387,7 +392,7 @@ class Trainer:
         budget = "none" if self.budget is None else format_size(self.budget)
         m = self.model
         layers = describe_layers([repr(x) for x in m.layers],
-                                 m.cached_layers(self.cfg.engine.checkpoint),
+                                 m.cached_layers(self.checkpoint_mode),
                                  [m.transforms_first(l) for l in range(m.num_layers)])
         tp = self.transfer_plan
         n = max(tp.num_nodes, 1)

@@ -89,9 +89,15 @@ class GNN(nn.Module):
         """Which layers keep their aggregate in host memory under ``engine.checkpoint``.
 
         ``auto`` (the recomputation-caching hybrid) caches every cacheable
-        layer; ``recompute`` caches none.
+        layer; ``recompute`` caches none; ``own``, as ``auto`` is run out of core
+        where every chunk reads its own rows among its sources
+        (:func:`~hongtu.engine.executor.resolved_checkpoint`), caches those that
+        read no own rows (a cached layer's backward copies them beside its
+        aggregate; a recomputed one finds them among the rows it loads).
         """
-        return [bool(layer.cacheable and checkpoint == "auto") for layer in self.layers]
+        return [bool(layer.cacheable and (checkpoint == "auto"
+                                          or (checkpoint == "own" and not layer.needs_dst)))
+                for layer in self.layers]
 
     def stored_aggregates(self, checkpoint: str = "auto") -> list[bool]:
         """Which cached layers store their aggregate in host memory for backward.

@@ -52,3 +52,22 @@ def test_setup_names_the_layers_moved_whole(tmp_path):
     # (the second layer moves the plan's rows: its last step's gradients wait
     # on the device for the first layer's backward)
     assert kept + "the last step's grad h^1 rows" in "\n".join(lines).splitlines()
+
+
+def test_auto_recomputes_layers_reading_own_rows_among_their_sources(tmp_path):
+    """checkpoint auto out of core: with a self-loop on every vertex (the example's
+    data.self_loops) and p2p, layers that read their own rows (SAGE) are
+    recomputed, not cached; without p2p (own rows copied) or with checkpoint
+    recompute as asked."""
+    def executor(*extra):
+        cfg = load_config(REPO / "configs" / "gcn_example.yaml",
+                          [f"output.dir={tmp_path}", f"engine.cache_dir={tmp_path}/cache",
+                           "engine.accelerator=cpu", "model.hidden=16", "engine.chunks=3",
+                           "model.layer=sage", *extra])
+        return Trainer(cfg, overwrite=True, out=lambda s: None).executor
+
+    assert executor().cached == [False, False]
+    assert executor().own_rows_from_sources == [0, 1]
+    assert executor("engine.dedup.p2p=false").cached == [True, True]
+    assert executor("model.layer=gcn").cached == [True, True]  # (reads no own rows)
+    assert executor("engine.checkpoint=recompute").cached == [False, False]
