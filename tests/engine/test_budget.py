@@ -347,3 +347,26 @@ def test_trainer_takes_the_chosen_counts_sets_from_the_search(tmp_path, monkeypa
     assert fixed.transfer_plan.h2d_rows == auto.transfer_plan.h2d_rows
     for e in range(2):
         assert auto.run_epoch(e)["loss"] == fixed.run_epoch(e)["loss"]
+
+
+def test_layers_reading_own_rows_count_their_gradient():
+    """A built-in aggregation's layer that reads its own rows (SAGE) holds their
+    gradient beside the aggregate's in backward, and the transpose's edge
+    weights: the estimate counts both (a recomputed SAGE layer ran past it by
+    about that much, measured on an H200); GAT, with its own count, does not."""
+    from hongtu.engine import budget
+
+    g = CASES["self_loops"](seed=3)
+    p = chunk_partition(g, np.zeros(g.num_nodes, dtype=np.int64), 4, num_parts=1)
+    sizes = chunk_sizes(g, p.perm, p.chunk_ptr)
+    for layer, counted in [("sage", True), ("gat", False)]:
+        model = make_model(layer)
+        none = [False] * model.num_layers  # (no own-row slots either way)
+        with_it = estimate_device_bytes(model, sizes, copied_dst=none)
+        for x in model.layers:
+            x.needs_dst = False  # (an instance attribute: the estimate's term only)
+        without = estimate_device_bytes(model, sizes, copied_dst=none)
+        most = max(int(sizes.num_dst.max()) * w for w in model.row_widths()[:-1]) \
+            + int(sizes.num_edges.max())
+        assert (0 < with_it - without <= budget._SLACK * 4 * most) == counted
+        assert (with_it == without) == (not counted)
