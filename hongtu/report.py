@@ -382,9 +382,10 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         m = e.devices
     widths, itemsize = model.row_widths(), 4
     # (as training: chunks read their own rows among their sources with self-loops;
-    # out of core, layers reading them then recompute under checkpoint auto)
+    # out of core on a GPU, layers reading them then recompute under checkpoint auto)
     own_read = own_rows_read(e, model, graph)
-    checkpoint = resolved_checkpoint(e.checkpoint, own_read)
+    gpu = e.accelerator != "cpu" and torch.cuda.is_available()
+    checkpoint = resolved_checkpoint(e.checkpoint, own_read and gpu)
     cached = model.cached_layers(checkpoint)
     stored = model.stored_aggregates(checkpoint)
     once = reads_rows_once(model, checkpoint)
@@ -407,7 +408,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
            "row_bytes": itemsize * max(widths), "model": model, "itemsize": itemsize,
            "budget": budget, "copied_dst": copied, "checkpoint": checkpoint,
            # (as training decides where loads and stores overlap: a GPU with overlap)
-           "overlapped": e.overlap and e.accelerator != "cpu" and torch.cuda.is_available()}
+           "overlapped": e.overlap and gpu}
     main = _plan_chunks(graph, assignment, m, n, ctx)
     t["plan_s"] = time.perf_counter() - t0
 

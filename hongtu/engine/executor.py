@@ -508,9 +508,10 @@ def own_rows_forward(model: GNN, whole: list[bool], own: bool,
 
 
 def resolved_checkpoint(checkpoint: str, own: bool) -> str:
-    """``engine.checkpoint`` as a run applies it: ``auto`` out of core where every
-    chunk reads its own rows among its sources (``own``: :func:`own_rows_read`,
-    not resident) recomputes the layers that read them (``"own"``:
+    """``engine.checkpoint`` as a run applies it: ``auto`` out of core on a GPU
+    where every chunk reads its own rows among its sources (``own``:
+    :func:`own_rows_read`, not resident; on a CPU no link to spare and the
+    aggregation again costs) recomputes the layers that read them (``"own"``:
     :meth:`~hongtu.nn.model.GNN.cached_layers`): their backward then loads the
     plan's rows, own rows among them, instead of the cached aggregate and a
     copy of the own rows (products-like SAGE 2x256 0.328 against 0.383 s)."""

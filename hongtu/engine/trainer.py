@@ -171,8 +171,10 @@ class Trainer:
             graph, assignment, parts,
             BufferPlan(own_rows, self.model.row_widths(),
                        self.model.stored_aggregates(e.checkpoint), itemsize), itemsize)
-        # (out of core, layers reading their own rows among their sources recompute)
-        self.checkpoint_mode = resolved_checkpoint(e.checkpoint, own_src and not self.resident)
+        # (out of core on a GPU, layers reading their own rows among their sources
+        # recompute)
+        self.checkpoint_mode = resolved_checkpoint(
+            e.checkpoint, own_src and not self.resident and self.device.type == "cuda")
         stored = self.model.stored_aggregates(self.checkpoint_mode)  # host buffers of aggregates
         once = reads_rows_once(self.model, self.checkpoint_mode)  # (h^1 may stay on the device)
         copied = own_rows_copied(self.model, self.model.cached_layers(self.checkpoint_mode),

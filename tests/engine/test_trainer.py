@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from hongtu.config import load_config
 from hongtu.engine.trainer import Trainer
 from tests.conftest import REPO
@@ -54,20 +56,25 @@ def test_setup_names_the_layers_moved_whole(tmp_path):
     assert kept + "the last step's grad h^1 rows" in "\n".join(lines).splitlines()
 
 
-def test_auto_recomputes_layers_reading_own_rows_among_their_sources(tmp_path):
-    """checkpoint auto out of core: with a self-loop on every vertex (the example's
-    data.self_loops) and p2p, layers that read their own rows (SAGE) are
-    recomputed, not cached; without p2p (own rows copied) or with checkpoint
-    recompute as asked."""
+@pytest.mark.parametrize("accelerator", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_auto_recomputes_layers_reading_own_rows_among_their_sources(tmp_path, accelerator):
+    """checkpoint auto out of core on a GPU: with a self-loop on every vertex (the
+    example's data.self_loops) and p2p, layers that read their own rows (SAGE)
+    are recomputed, not cached; without p2p (own rows copied), resident, or on
+    a CPU (no link to spare) they stay cached; recompute as asked."""
     def executor(*extra):
         cfg = load_config(REPO / "configs" / "gcn_example.yaml",
                           [f"output.dir={tmp_path}", f"engine.cache_dir={tmp_path}/cache",
-                           "engine.accelerator=cpu", "model.hidden=16", "engine.chunks=3",
-                           "model.layer=sage", *extra])
+                           f"engine.accelerator={accelerator}", "model.hidden=16",
+                           "engine.chunks=3", "engine.resident=false", "model.layer=sage",
+                           *extra])
         return Trainer(cfg, overwrite=True, out=lambda s: None).executor
 
-    assert executor().cached == [False, False]
+    gpu = accelerator == "cuda"
+    assert executor().cached == [not gpu, not gpu]
     assert executor().own_rows_from_sources == [0, 1]
     assert executor("engine.dedup.p2p=false").cached == [True, True]
     assert executor("model.layer=gcn").cached == [True, True]  # (reads no own rows)
     assert executor("engine.checkpoint=recompute").cached == [False, False]
+    if gpu:
+        assert executor("engine.resident=auto").cached == [True, True]  # (it fits)
