@@ -156,7 +156,7 @@ def _cmd_partition(args) -> int:
 def _cmd_train(args) -> int:
     from hongtu.config import load_config
     from hongtu.engine.comm import in_distributed_launch
-    from hongtu.engine.launch import check_devices, launch
+    from hongtu.engine.launch import RANK_FAILURES, check_devices, launch
     from hongtu.engine.trainer import Interrupted, Trainer
 
     cfg = load_config(args.config, args.overrides)
@@ -187,6 +187,16 @@ def _cmd_train(args) -> int:
         r = records[-1]
         out(f"done: epoch {r['epoch'] + 1}, final test accuracy {r['test_acc']:.4f}; "
             f"model saved to {trainer.outdir / 'model.pt'}")
+    if in_distributed_launch() and not os.environ.get(RANK_FAILURES):
+        # A rank of torchrun's own (hongtu's launcher takes its workers' return
+        # values) leaves now that its files are closed and the group is gone:
+        # a rank aborting in interpreter teardown ("terminate called without an
+        # active exception", seen once under load) failed the whole launch and
+        # left the other nodes at the launcher's exit barrier.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(0)
     return 0
 
 

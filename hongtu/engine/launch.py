@@ -55,7 +55,7 @@ def _worker(argv: list[str]) -> None:
         # may see one of them fail before this rank.
         sys.stdout.flush()
         sys.stderr.flush()
-        report = os.environ.get(_FAILURES)
+        report = os.environ.get(RANK_FAILURES)
         if report:
             with open(os.path.join(report, os.environ.get("RANK", "0")), "w") as f:
                 f.write(str(code))
@@ -63,7 +63,7 @@ def _worker(argv: list[str]) -> None:
 
 
 #: environment variable naming the folder where ranks note their own failures
-_FAILURES = "HONGTU_RANK_FAILURES"
+RANK_FAILURES = "HONGTU_RANK_FAILURES"
 
 
 def _own_failure(folder: str) -> tuple[int, int] | None:
@@ -92,7 +92,7 @@ def launch(argv: list[str], devices: int) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", share)
     os.environ.setdefault("NUMBA_NUM_THREADS", share)
     with tempfile.TemporaryDirectory(prefix="hongtu-ranks-") as folder:
-        os.environ[_FAILURES] = folder  # (the spawned ranks inherit it)
+        os.environ[RANK_FAILURES] = folder  # (the spawned ranks inherit it)
         try:
             elastic_launch(config, _worker)(argv)
         except ChildFailedError as e:
@@ -110,5 +110,5 @@ def launch(argv: list[str], devices: int) -> int:
                   "ranks were stopped; its message is above", file=sys.stderr)
             return code
         finally:
-            os.environ.pop(_FAILURES, None)
+            os.environ.pop(RANK_FAILURES, None)
     return 0
