@@ -689,11 +689,13 @@ class Executor:
         own_in_sources: every chunk reads its destinations' own rows among
             its sources (every vertex has a self-loop:
             :func:`~hongtu.graph.transforms.has_self_loops`). Then a layer that
-            reads its own rows takes them from its sources where it has them
-            on the device (not cached: its step gathers the sources) instead of
-            copying them from host memory, and adds their gradients at their
-            slots with the sources' (no own-row adds in host memory; a row's
-            first flush in a pass is written).
+            reads its own rows takes them from the device instead of copying
+            them from host memory: in forward from its gathered sources or its
+            rows' slots (:func:`own_rows_forward`), in backward from its
+            gathered sources (not cached: :func:`own_rows_in_sources`); every
+            such layer adds their gradients at their slots with the sources'
+            (no own-row adds in host memory; a row's first flush in a pass is
+            written).
     """
 
     def __init__(self, model: GNN, chunks: ChunkSet, buffers: HostBuffers, labels: Tensor,

@@ -175,10 +175,10 @@ class Trainer:
         # recompute)
         self.checkpoint_mode = resolved_checkpoint(
             e.checkpoint, own_src and not self.resident and self.device.type == "cuda")
+        cached = self.model.cached_layers(self.checkpoint_mode)
         stored = self.model.stored_aggregates(self.checkpoint_mode)  # host buffers of aggregates
         once = reads_rows_once(self.model, self.checkpoint_mode)  # (h^1 may stay on the device)
-        copied = own_rows_copied(self.model, self.model.cached_layers(self.checkpoint_mode),
-                                 own_src)
+        copied = own_rows_copied(self.model, cached, own_src)
         if chunks is None and e.chunks == "auto":
             chunks, _ = choose_chunks(graph, assignment, parts, self.model, self.room, itemsize,
                                       chunkings=self._chunkings, overlap=e.overlap,
@@ -251,7 +251,6 @@ class Trainer:
         left = None if self.resident or not e.whole_layers else left
         stage = dplan.max_later_load if e.overlap else 0  # staging rows of the row memory
         plan_rows = row_memory(dplan.buffer_rows, widths, stage)
-        cached = self.model.cached_layers(self.checkpoint_mode)
         overlapped = e.overlap and self.device.type == "cuda"  # (loads beside stores)
         first_rows, first_stores = first_layer_rows(dplan, widths, cached, overlapped)
         row_elements = grown_row_memory(
