@@ -94,7 +94,8 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
              d2h_rows: int, hand, ordered: list[bool] | None = None, loaded: int = 0,
              index: tuple[int, int] = (0, 0), held: int = 0,
              early: list[bool] | None = None, first: tuple[int, int] = (0, 0),
-             own: list[bool] | None = None, own_forward: list[bool] | None = None) -> dict:
+             own: list[bool] | None = None, own_forward: list[bool] | None = None,
+             into_first: bool = False) -> dict:
     """Bytes of one training step (forward, loss, backward) as the executor moves them.
 
     ``cached[l]``: layer ``l``'s backward reads no rows, ``stored[l]``: its
@@ -119,7 +120,11 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
     (:func:`~hongtu.engine.executor.own_rows_in_sources`), and no own-row
     gradient goes to host memory (it is added at the rows' slots).
     ``own_forward[l]``: layer ``l``'s forward steps take them from the device
-    (:func:`~hongtu.engine.executor.own_rows_forward`).
+    (:func:`~hongtu.engine.executor.own_rows_forward`). ``into_first``: layer
+    1's backward runs the first layer's on its gradient flushes
+    (:func:`~hongtu.engine.executor.first_backward_in_flushes`): no flush of
+    ``∇h^1`` goes to host memory and no first-layer pass reads it back with
+    ``a^0``; the flushed rows' ``a^0`` is gathered instead.
     """
     n = num_nodes
     ordered = list(ordered or []) + [False] * (len(widths) - len(ordered or []))
@@ -142,16 +147,21 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
         layers.append({
             "layer": l, "width": widths[l], "row_bytes": row, "cached": cached[l],
             "whole": all_rows,
-            # forward, backward reload, gradient flush (none for ∇h^0 or a kept ∇h^l)
-            "passes": 1 + (not cached[l]) + (l > 0 and not kept[l]),
+            # forward, backward reload, gradient flush (none for ∇h^0, a kept ∇h^l
+            # or ∇h^1 into the first layer's backward)
+            "passes": 1 + (not cached[l]) + (l > 0 and not kept[l]
+                                             and not (l == 1 and into_first)),
             "forward_bytes": 0 if rows_kept and l == m else loads - first[0] * row * early[l],
             "backward_reload_bytes": 0 if cached[l] else loads,
-            "flush_bytes": 0 if l == 0 or kept[l] else (
+            "flush_bytes": 0 if l == 0 or kept[l] or (l == 1 and into_first) else (
                 n if all_rows else d2h_rows - (held if l == 1 else 0)) * row,
             "aggregate_d2h_bytes": n * row if stored[l] else 0,
-            "aggregate_h2d_bytes": n * row if stored[l] else 0,
+            # (the first layer's: of the rows layer 1 flushes, into_first)
+            "aggregate_h2d_bytes": ((d2h_rows if l == 0 and into_first else n) * row
+                                    if stored[l] else 0),
             # own rows h^l[V] (forward and backward), ∇h^{l+1}[V] in backward
-            "range_h2d_bytes": dst_fwd + dst_bwd + (0 if kept[l + 1] else n * out),
+            "range_h2d_bytes": dst_fwd + dst_bwd + (
+                0 if kept[l + 1] or (l == 0 and into_first) else n * out),
             # where rows written in first-load order go and come from
             "index_h2d_bytes": index[0] * ordered[l + 1] + index[1] * ordered[l],
             # h^{l+1}[V] (∇h^L for the last layer), ∇h^l[V] of the own rows
@@ -347,6 +357,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
 
     from hongtu.engine.executor import (
         early_layers,
+        first_backward_in_flushes,
         first_in_place,
         first_load_traffic,
         first_loaded_rows,
@@ -423,14 +434,15 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         counts = [first_loaded_rows(p) for p in plan.plans] if any(ordered) else []
         index = tuple(map(sum, zip(*(first_load_traffic(p, k) for p, k in
                                      zip(plan.plans, counts))))) or (0, 0)
-        held = sum(map(held_rows, plan.plans)) if hand.held else 0
+        into = gpu and first_backward_in_flushes(model, cached, hand.whole, hand.kept, own_read)
+        held = sum(map(held_rows, plan.plans)) if hand.held and not into else 0
         early = early_layers(ordered, hand.whole, hand.kept_layer)
         first = tuple(map(sum, zip(*map(first_step_rows, plan.plans)))) if any(early) \
             else (0, 0)
         fwd = own_rows_forward(model, hand.whole, own_read)
         return _traffic(widths, cached, stored, needs_dst, itemsize, n, plan.h2d_rows,
                         plan.d2h_rows, hand, ordered, sum(counts), index, held, early, first,
-                        own, fwd)
+                        own, fwd, into)
 
     t0 = time.perf_counter()
     memory = []

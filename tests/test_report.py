@@ -193,6 +193,26 @@ def test_rows_written_in_load_order_are_the_loaded_rows():
     assert p["d2h_bytes"] - o["d2h_bytes"] == 2 * 10 * 16 * 4  # h^1 and h^2, 10 rows each
 
 
+def test_first_backward_on_flushes_moves_no_grad_h1():
+    """The report's model of the first layer's backward run on layer 1's
+    gradient flushes (GPUs; the engine's bytes: test_oracle's
+    test_first_backward_runs_on_layer_1_flushes, and the GPU cases above):
+    no ∇h^1 flushed, nor read back with a^0 of every row; a^0 of the
+    flushed rows gathered instead."""
+    from hongtu.engine.executor import Handoffs
+    from hongtu.report import _traffic
+
+    hand = Handoffs([False, False, False], [False] * 4, None)
+    n, (w0, w1), flushed = 100, (8, 16), 200
+    args = ([w0, w1, 16, 3], [True] * 3, [True] * 3, [False] * 3, 4, n, 300, flushed, hand)
+    plain, into = _traffic(*args, held=30), _traffic(*args, into_first=True)
+    p, o = plain["epoch"], into["epoch"]
+    assert p["h2d_bytes"] - o["h2d_bytes"] == 4 * (n * w1 + n * w0 - flushed * w0)
+    assert p["d2h_bytes"] - o["d2h_bytes"] == 4 * (flushed - 30) * w1
+    assert p["evaluation_bytes"] == o["evaluation_bytes"]
+    assert [x["passes"] for x in into["layers"]] == [1, 1, 2]
+
+
 def _midpoint_budget(tmp_path) -> int:
     """A budget between the estimates of 1 and 16 chunks per part."""
     cfg = load_config(CONFIG, base(tmp_path))

@@ -51,6 +51,9 @@ _MASK_BYTES = 5  # dropout: the boolean mask and the masked copy's extra, per el
 # Only the tensor-op fallback, on a GPU without Triton, hashes MASK_BLOCK
 # elements at a time, ~48 B each, about 200 MB more than this estimate.)
 _FIXED_EXTRA = 64 << 20
+#: bytes of the first layer's aggregates gathered at a time for its backward
+#: run on layer 1's gradient flushes (two such pieces in flight)
+FLUSH_PIECE_BYTES = 64 << 20
 _SLACK = 1.10
 
 
@@ -170,6 +173,26 @@ def grown_row_memory(memory: int, spare_bytes: int | None, num_rows: int, widths
     return max([n for n in needs if n is not None and n <= top] + [int(memory)])
 
 
+def flush_piece_rows(width: int, itemsize: int, max_rows: int) -> int:
+    """Rows of a piece of the first layer's backward run on layer 1's flushes
+    (:func:`~hongtu.engine.executor.first_backward_in_flushes`): at most
+    :data:`FLUSH_PIECE_BYTES` of aggregates ``width`` wide and no more than a
+    chunk's ``max_rows`` destinations (what that layer's own backward step
+    computes on at once)."""
+    return max(1, min(int(max_rows), FLUSH_PIECE_BYTES // max(1, width * itemsize)))
+
+
+def flush_pieces_bytes(model: GNN, max_rows: int, itemsize: int) -> int:
+    """Device bytes of the two pieces of aggregates the first layer's backward
+    on layer 1's flushes gathers, where the model may run it (a first layer
+    that is cacheable and reads no own rows; whether the plan lets it is known
+    after the estimate: counted either way)."""
+    first, w = model.layers[0], model.row_widths()[0]
+    if model.num_layers < 2 or not first.cacheable or first.needs_dst:
+        return 0
+    return 2 * flush_piece_rows(w, itemsize, max_rows) * w * itemsize
+
+
 def slot_widths(model: GNN, cached: list[bool] | None = None,
                 copied_dst: list[bool] | None = None) -> dict[str, int]:
     """Widths of the destination-row slots a pass fills: a layer's own rows
@@ -220,6 +243,7 @@ def estimate_device_bytes(model: GNN, sizes: ChunkSizes, itemsize: int = 4,
         * itemsize
     fixed += sum(p.numel() for p in model.parameters()) * itemsize * 4
     fixed += num_nodes * 11  # labels (int64) and three masks (bool)
+    fixed += flush_pieces_bytes(model, max_dst, itemsize) if training else 0
     fixed += _FIXED_EXTRA
     fused = itemsize == 4 and ops.fused_dropout()
     masks = training and model.p > 0

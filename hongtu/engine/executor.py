@@ -39,7 +39,13 @@ from torch import Tensor
 
 from hongtu.config import EngineConfig
 from hongtu.dedup import DevicePlan
-from hongtu.engine.budget import first_layer_stores, row_memory, slot_widths, whole_layer_needs
+from hongtu.engine.budget import (
+    first_layer_stores,
+    flush_piece_rows,
+    row_memory,
+    slot_widths,
+    whole_layer_needs,
+)
 from hongtu.engine.buffers import HostBuffers, available_host_memory
 from hongtu.engine.chunks import ChunkSet
 from hongtu.engine.comm import Comm
@@ -163,6 +169,35 @@ def gradients_held(widths: list[int], whole: list[bool], cached: list[bool], num
     past the transition buffer (``twin`` elements; not cached, wider)."""
     return (len(widths) > 2 and not whole[1]
             and (cached[0] or not whole[0] or num_rows * widths[0] <= twin))
+
+
+def first_backward_in_flushes(model: GNN, cached: list[bool], whole: list[bool],
+                              kept: list[bool], own: bool, direct: bool = False) -> bool:
+    """Whether layer 1's backward pass also takes the first layer's parameter
+    gradients, from every gradient row it flushes, so that ``∇h^1`` never goes
+    to host memory and the first layer has no backward pass of its own.
+
+    The first layer's backward needs no gradient of its inputs: a cached
+    layer reading no own rows (GCN) runs only its update's backward there,
+    from its stored aggregate ``a^0[V]`` and ``∇h^1[V]``. The update is
+    row-wise and its parameter gradients linear in ``∇h^1``, so each flushed
+    partial gradient ``g`` of rows ``R`` contributes the update's backward at
+    ``(a^0[R], g)``, whichever chunk added it: the same sum, without writing
+    ``∇h^1`` (its rows, flushed once or more) and reading it back with
+    ``a^0`` (every row). ``a^0[R]`` is gathered instead (narrower rows, on
+    GPUs zero-copy from pinned host memory).
+
+    Needs every part of ``∇h^1`` to pass through layer 1's flushes: layer 1
+    moves the plan's rows (``whole``), its gradients are not kept on the
+    device (``kept``), and its own rows' gradients, if it reads them, are
+    added at their slots (``own``: every chunk reads its own rows among its
+    sources). Not in resident mode on one device (``direct``: no flushes).
+    """
+    if len(model.layers) < 2 or direct:
+        return False
+    first, second = model.layers[0], model.layers[1]
+    return bool(cached[0] and not first.needs_dst and not whole[1] and not kept[1]
+                and (own or not second.needs_dst))
 
 
 def held_rows(plan: DevicePlan) -> int:
@@ -696,6 +731,14 @@ class Executor:
             such layer adds their gradients at their slots with the sources'
             (no own-row adds in host memory; a row's first flush in a pass is
             written).
+        first_in_flushes: where it may (:func:`first_backward_in_flushes`),
+            layer 1's backward takes the first layer's parameter gradients from
+            the gradient rows it flushes instead of sending them to host memory
+            for a first-layer pass (then ``buffers`` need no ``∇h^1``). The
+            Trainer asks for it on GPUs, where it saves link bytes; on a CPU
+            the pass it saves reads host memory in order and the gathers and
+            smaller products cost more (an R-MAT 2^16 GCN 3x256 epoch on two
+            cores: 0.65-0.69 against 0.60-0.62 s).
     """
 
     def __init__(self, model: GNN, chunks: ChunkSet, buffers: HostBuffers, labels: Tensor,
@@ -704,7 +747,8 @@ class Executor:
                  comm: Comm | None = None, num_train: int | None = None,
                  overlap: bool = True, whole_layers: bool = True,
                  row_elements: int | None = None, ordered_inputs: bool = False,
-                 ordered_rows: bool = False, own_in_sources: bool = False) -> None:
+                 ordered_rows: bool = False, own_in_sources: bool = False,
+                 first_in_flushes: bool = False) -> None:
         self.model = model
         self.chunks = chunks
         self.buf = buffers
@@ -759,7 +803,18 @@ class Executor:
         self._whole = hand.whole
         # ∇h^1's last flushes wait in the gradient twin for the first layer's
         # backward (gradients_held); built per kind of flush on first use.
-        self._hold = not self._direct and hand.held
+        # The first layer's backward run on layer 1's flushes: their rows'
+        # aggregates are gathered a piece at a time (two pieces in flight).
+        self._in_flushes = first_in_flushes and first_backward_in_flushes(
+            model, self.cached, hand.whole, hand.kept, self._own_at is not None, self._direct)
+        self._hold = not self._direct and hand.held and not self._in_flushes
+        if self._in_flushes:
+            w0 = widths[0]
+            self._flush_piece = flush_piece_rows(w0, buffers.h[0].element_size(),
+                                                 max(chunks.max_rows()[1], 1))
+            self._flush_rows = torch.empty((2, self._flush_piece, w0), dtype=self.dtype,
+                                           device=device)
+            self._flush_free = [None, None]  # (events: compute done with each)
         self._held_by: dict[bool, tuple] = {}
         self._held = None
         self._head = None  # (the next backward pass's first reads, issued early)
@@ -828,7 +883,8 @@ class Executor:
         # Gradients handed from pass to pass in the row memory.
         self._kept = hand.kept
         lacking = [l for l in range(1, len(widths))
-                   if buffers.grad[l] is None and not self._kept[l]]
+                   if buffers.grad[l] is None and not self._kept[l]
+                   and not (l == 1 and self._in_flushes)]
         if lacking:
             raise ValueError(f"host buffers lack grad h^{lacking[0]}, which this executor "
                              "moves through host memory (BufferPlan.grads)")
@@ -854,14 +910,19 @@ class Executor:
             self._blocks = pin_blocks(chunks.blocks, _narrow)
         self._copy_blocks = device.type != "cpu" and not resident_blocks
         # The next forward's first rows (step 0 of layer 0, in load order: one
-        # run into slots 0..n-1) travel during the first layer's backward pass,
-        # a piece beside each of its batches, where the link has room: backward
-        # reads none of the transition buffer's rows then (a cached first
-        # layer), and the inputs do not change between epochs. The forward pass
-        # then starts computing at once instead of waiting for its largest load.
+        # run into slots 0..n-1) travel during the first layer's backward pass
+        # (layer 1's where that one runs the first's: _in_flushes), a piece
+        # beside each of its batches, where the link has room: backward reads
+        # none of the transition buffer's rows then (a cached first layer, and
+        # a cached layer 1), and the inputs do not change between epochs. The
+        # forward pass then starts computing at once instead of waiting for its
+        # largest load.
+        self._prefetch_in = 1 if self._in_flushes else 0
+        self._prefetch_from = self._prefetch_start(int(plan.load_ptr[1]) * widths[0])
         self._prefetch = (self.mover.overlap and self._first_in_slots
+                          and self.cached[self._prefetch_in]
                           and self._ordered is not None and self._first_in_place
-                          and not self._overlaps_grads(int(plan.load_ptr[1]) * widths[0]))
+                          and self._prefetch_from is not None)
         self._ahead = None  # (rows ticket, block ticket) of the first forward item
         # The loss may be read after backward is issued (step) where nothing in
         # backward waits for forward on this thread: one process, on a GPU, and
@@ -896,6 +957,12 @@ class Executor:
         if self._own_at is None:
             return []
         return [l for l, (f, b) in enumerate(zip(self._fwd_own, self._own_src)) if f or b]
+
+    @property
+    def first_in_flushes(self) -> bool:
+        """Whether layer 1's backward runs the first layer's on the gradient rows
+        it flushes (:func:`first_backward_in_flushes`)."""
+        return self._in_flushes
 
     @property
     def ordered_input_bytes(self) -> int:
@@ -1054,15 +1121,30 @@ class Executor:
                 at = slots[a:a + piece]
                 model.drop_sources_into(0, tbuf, ids[a:a + piece], seed, tbuf, at, x_at=at)
 
-    def _overlaps_grads(self, size: int) -> bool:
-        """Whether the row memory's first ``size`` elements (the transition
-        buffer's first rows) hold any of ``∇h^1`` when it stays on the device
-        (what the first layer's backward reads there)."""
-        if len(self._kept) < 2 or not self._kept[1]:
-            return False
-        g = self._grad_rows(1)
+    def _prefetch_start(self, size: int) -> int | None:
+        """The first item of the backward pass carrying the next forward's first
+        rows (:attr:`_prefetch_in`) whose fetch may write them into the row
+        memory's first ``size`` elements (the transition buffer's first rows):
+        0, unless a gradient the pass reads stays on the device there. Then,
+        for ``∇h^2`` (layer 1's pass, where it runs the first layer's), the
+        second item after the last whose chunk reads rows of it there (a fetch
+        waits for the compute issued before it: the item before it has not
+        run yet); ``None`` where no item is left, and for ``∇h^1`` (the first
+        layer's pass reads it from its first item)."""
+        l = self._prefetch_in + 1
+        if len(self._kept) <= l or not self._kept[l]:
+            return 0
+        g = self._kept_grads(l)
         start = (g.data_ptr() - self._rowmem.data_ptr()) // g.element_size()
-        return start < size and g.numel() > 0
+        if start >= size or g.numel() == 0:
+            return 0
+        if l == 1:
+            return None
+        rows = -(-(size - start) // g.shape[1])  # its rows lying there: 0 .. rows-1
+        items = self.plan.items
+        last = max((i for i, (_, _, c, _, _) in enumerate(items)
+                    if self.chunks.range(c)[0] < rows), default=-2)
+        return last + 2 if last + 2 < len(items) else None
 
     def _forward_skip(self, l: int) -> tuple[str, ...]:
         """What layer ``l``'s forward pass leaves of its blocks in host memory."""
@@ -1286,10 +1368,12 @@ class Executor:
         model.train(True)
         self._ahead = None  # (passes before the first layer's overwrite those rows)
         self._held = self._head = None
-        for l in reversed(range(model.num_layers)):
+        # (with _in_flushes the first layer's backward runs on layer 1's flushes)
+        for l in reversed(range(1 if self._in_flushes else 0, model.num_layers)):
             layer = model.layers[l]
             seed, nxt = self._seed(epoch, l), self._seed(epoch, l + 1)
             need_in = l > 0  # ∇h^0 is never needed: inputs carry no gradient
+            into_first = l == 1 and self._in_flushes
             width = buf.h[l].shape[1]
             tbuf = self._buffer(self._tbuf, width)
             gbuf = self._buffer(self._gbuf, width)
@@ -1303,12 +1387,13 @@ class Executor:
             # A whole layer's gradients add up on the device and go to host at
             # the end of the pass, written over what it held.
             whole = self._whole[l]
-            write = (need_in and not self._direct and not whole and mv.can_write(buf.grad[l]))
+            write = (need_in and not self._direct and not whole and not into_first
+                     and mv.can_write(buf.grad[l]))
             if write:
                 buf.grad[l][torch.from_numpy(plan.unwritten)] = 0
             elif need_in and whole:
                 self._grad_rows(l).zero_()
-            elif need_in:
+            elif need_in and not into_first:
                 buf.grad[l].zero_()
 
             # A cached layer that stores no aggregate outputs finish(a), which
@@ -1320,8 +1405,9 @@ class Executor:
             def fetch(i, l=l, layer=layer, tbuf=tbuf):
                 s, _, c, first, _ = plan.items[i]
                 v0, v1 = self.chunks.range(c)
-                if l == 0 and self._prefetch:
-                    self._fetch_ahead(i, len(plan.items))
+                start = self._prefetch_from
+                if l == self._prefetch_in and self._prefetch and i >= start:
+                    self._fetch_ahead(i - start, len(plan.items) - start)
                 rows = None if self.cached[l] else self._fetch_rows(l, i, s, first, tbuf)
                 g_out = Ticket(self._kept_grads(l + 1)[v0:v1]) if self._kept[l + 1] \
                     else mv.fetch_range(buf.grad[l + 1], v0, v1, "grad")
@@ -1333,7 +1419,7 @@ class Executor:
                 return rows, g_out, dst, *(head or self._backward_reads(l, c))
 
             def run(i, fetched, fetch_next, l=l, layer=layer, seed=seed, nxt=nxt, tbuf=tbuf,
-                    gbuf=gbuf, need_in=need_in, write=write, gsum=gsum):
+                    gbuf=gbuf, need_in=need_in, write=write, gsum=gsum, into_first=into_first):
                 s, q, c, first, last = plan.items[i]
                 rows = fetched[0]
                 if rows is not None:
@@ -1342,6 +1428,9 @@ class Executor:
                 if first and need_in and not self._direct and not self._whole[l]:
                     gbuf.index_fill_(0, plan.load(s)[1], 0)  # rows entering: no gradient
                     gbuf[plan.plan.num_slots:].zero_()  # and so does the receive area
+                # (the first piece of the step's flushed rows' aggregates travels
+                # beside its last chunk)
+                piece = self._flush_gather(s, 0) if last and into_first else None
                 fetch_next()
                 self._backward_chunk(l, layer, q, c, fetched, tbuf, gbuf, need_in, seed, nxt,
                                      gsum)
@@ -1349,6 +1438,9 @@ class Executor:
                     progress(1)
                 if last and need_in and not self._direct and not self._whole[l]:
                     self._exchange_back(s, gbuf)
+                    if into_first:
+                        self._first_backward_on_flush(s, gbuf, piece, epoch)
+                        return
                     if l == 1 and self._hold and s == plan.plan.num_steps - 1:
                         if write not in self._held_by:
                             self._held_by[write] = plan.held(write, self.chunks.range)
@@ -1364,7 +1456,7 @@ class Executor:
 
             # (the next pass's first aggregate and block travel beside the last batch)
             self._run_pass(fetch, run, (lambda l=l: self._backward_head(l - 1))
-                           if l > 0 and mv.overlap else None)
+                           if l > 0 and mv.overlap and not into_first else None)
             if gsum is not None:
                 with mv.timing("time_compute_s"):
                     model.finish_backward(l, gsum)
@@ -1379,6 +1471,44 @@ class Executor:
             mv.drain()  # ∇h^l complete in host memory before layer l-1 reads it
         if self.comm is not None:
             self.comm.all_reduce_grads(self.model.parameters())
+
+    def _flush_gather(self, s: int, k: int) -> tuple[Ticket, int, int] | None:
+        """Start gathering piece ``k`` of the aggregates ``a^0`` of the rows layer
+        1's step ``s`` flushes (:func:`first_backward_in_flushes`) into one of two
+        device pieces; ``(ticket, a, b)``: its flush positions, or ``None`` past
+        the last."""
+        _, _, ids = self.plan.flush(s)
+        a = k * self._flush_piece
+        if a >= ids.shape[0]:
+            return None
+        b = min(a + self._flush_piece, int(ids.shape[0]))
+        t = self.mover.gather_rows(self.buf.agg[0], ids[a:b], self._flush_rows[k % 2],
+                                   self._flush_free[k % 2])
+        return t, a, b
+
+    def _first_backward_on_flush(self, s: int, gbuf: Tensor, piece, epoch: int) -> None:
+        """The first layer's backward on the gradient rows layer 1's step ``s``
+        flushes (``∇h^1`` partial sums, at their slots of ``gbuf``): its update
+        run again on their aggregates and its backward from those gradients,
+        a piece at a time, the next piece's aggregates travelling meanwhile."""
+        model, mv = self.model, self.mover
+        _, slots, ids = self.plan.flush(s)
+        seed, nxt = self._seed(epoch, 0), self._seed(epoch, 1)
+        k = 0
+        while piece is not None:
+            ticket, a, b = piece
+            piece = self._flush_gather(s, k + 1)
+            rows = mv.take(ticket)
+            with mv.timing("time_compute_s"), torch.enable_grad():
+                g = gbuf.index_select(0, slots[a:b])
+                out = model.step_update(0, _Rows(ids[a:b] + self.chunks.row0), rows, None,
+                                        seed, nxt)
+                _backward(out, g)
+            if mv.overlap:  # (the gather after next may overwrite these rows then)
+                done = torch.cuda.Event()
+                done.record(mv.compute)
+                self._flush_free[k % 2] = done
+            k += 1
 
     def _backward_reads(self, l: int, c: int) -> tuple:
         """Layer ``l``'s backward reads of chunk ``c`` that no pass before it in
@@ -1486,8 +1616,9 @@ class Executor:
 
     def batches_per_epoch(self, evaluate: bool) -> int:
         """Chunk visits of one epoch (for progress bars)."""
-        per_pass = (self.plan.plan.chunk_ids.shape[0]) * self.model.num_layers
-        return per_pass * (3 if evaluate else 2)
+        per_pass = self.plan.plan.chunk_ids.shape[0]
+        L = self.model.num_layers
+        return per_pass * (3 * L if evaluate else 2 * L) - per_pass * self._in_flushes
 
 
 _SPLITS = ("train", "val", "test")
@@ -1511,6 +1642,17 @@ def _output_torch(logits: Tensor, y: Tensor, cols: Tensor, splits: Tensor, acc: 
     grad = logp.exp_()
     grad.scatter_add_(1, cols, torch.full_like(cols, -1, dtype=grad.dtype))
     return torch.where(m, grad.div_(num_train), 0.0).to(logits.dtype)
+
+
+class _Rows:
+    """What a cacheable layer's update reads of a block (:meth:`GNN.step_update`):
+    its destinations' global ids, here any rows ``ids``."""
+
+    def __init__(self, ids: Tensor) -> None:
+        self.ids, self.seed = ids, None
+
+    def dst_ids(self, device: torch.device | None = None) -> Tensor:
+        return self.ids if device is None else self.ids.to(device)
 
 
 def _backward(out: Tensor, grad: Tensor) -> None:

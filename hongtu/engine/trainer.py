@@ -44,6 +44,7 @@ from hongtu.engine.chunks import ChunkSet
 from hongtu.engine.comm import in_distributed_launch, init_from_env
 from hongtu.engine.executor import (
     Executor,
+    first_backward_in_flushes,
     first_layer_rows,
     ordered_rows_room,
     own_rows_copied,
@@ -270,10 +271,15 @@ class Trainer:
         split["blocks_s"] = time.perf_counter() - t
         # Gradients the executor will keep on the device need no host buffer
         # (its row memory is at least row_elements: it keeps at least these).
-        kept = plan_handoffs(b - a, widths, row_elements, dplan, stage, world > 1, cached, once,
+        hand = plan_handoffs(b - a, widths, row_elements, dplan, stage, world > 1, cached, once,
                              enabled=e.whole_layers and not self.resident,
-                             overlapped=overlapped).kept
-        plan = BufferPlan(b - a, widths, stored, itemsize, grads=[not k for k in kept])
+                             overlapped=overlapped)
+        # nor ∇h^1 where layer 1's backward runs the first layer's on its flushes
+        into_first = self.device.type == "cuda" and first_backward_in_flushes(
+            self.model, cached, hand.whole, hand.kept, own_src, self.resident and world == 1)
+        plan = BufferPlan(b - a, widths, stored, itemsize,
+                          grads=[not k and not (l == 1 and into_first)
+                                 for l, k in enumerate(hand.kept)])
         self.out(self._plan_text(plan, parts, chunks))
         t = time.perf_counter()
         buffers = HostBuffers(plan, x, pin=self.device.type == "cuda", dtype=dtype,
@@ -296,7 +302,7 @@ class Trainer:
             row_elements=None if self.resident else row_elements,
             ordered_inputs=e.ordered_inputs and self.device.type == "cuda",
             ordered_rows=index_bytes is not None,
-            own_in_sources=own_src)
+            own_in_sources=own_src, first_in_flushes=into_first)
         split["executor_s"] = time.perf_counter() - t
         ex, rows = self.executor, []
         if ex.whole_layers:
@@ -309,6 +315,9 @@ class Trainer:
             rows.append("own rows taken from the chunks' sources (every vertex has a "
                         "self-loop), not copied: layers "
                         + ", ".join(map(str, ex.own_rows_from_sources)))
+        if ex.first_in_flushes:
+            rows.append("first layer's backward run on layer 1's gradient flushes "
+                        "(grad h^1 never goes to host memory)")
         if ex.ordered_input_bytes:
             rows.append(f"first layer's inputs kept in load order (engine.ordered_inputs): "
                         f"{format_size(ex.ordered_input_bytes)} of pinned host memory")

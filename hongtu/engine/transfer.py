@@ -310,13 +310,15 @@ class Mover:
         #: with :attr:`timeline`, the traffic counters ``(h2d bytes, d2h bytes)`` at
         #: each pass start
         self.pass_bytes: list = []
-        self.compute = self.s_in = self.s_out = self.s_widen = None
+        self.compute = self.s_in = self.s_out = self.s_widen = self.s_gather = None
         if self.cuda:
             self.compute = torch.cuda.current_stream(device)
             self.s_in = torch.cuda.Stream(device) if self.overlap else self.compute
             self.s_out = torch.cuda.Stream(device) if self.overlap else self.compute
             # index arrays of blocks are widened to int64 here (fetch_block)
             self.s_widen = torch.cuda.Stream(device) if self.overlap else self.compute
+            # zero-copy gathers beside the load stream's copies (gather_rows)
+            self.s_gather = torch.cuda.Stream(device) if self.overlap else self.compute
         self._runs: dict = {}  # per (block, skip): what fetch_block copies
         self.itemsize = torch.empty((), dtype=dtype).element_size()
 
@@ -569,6 +571,32 @@ class Mover:
             ring, k = t.ring
             ring.release(k, self.compute)
         return True
+
+    def gather_rows(self, host: Tensor, ids: Tensor, out: Tensor, free=None) -> Ticket:
+        """Start ``out[:len(ids)] = host[ids]`` (``ids``: int64 on the device);
+        :meth:`take` gives the rows. On a GPU with overlap a zero-copy gather
+        from pinned host memory on a stream of its own, beside the load
+        stream's copies (DMA, which the gather kernel would otherwise wait
+        behind), after the stores issued so far and after ``free`` (an event
+        compute recorded once done with ``out``; ``None``: it never read it);
+        elsewhere at once."""
+        n = int(ids.shape[0])
+        self._count(host, "h2d", n, int(host.shape[1]))
+        dst, view = out[:n], self._view(host)
+        if view is None:  # unpinned host memory: gathered on the CPU, then one copy
+            dst.copy_(host.index_select(0, ids.cpu()))
+            return Ticket(dst)
+        if not self.overlap or view is host:
+            with self.timing("time_h2d_s"):
+                copy_rows(view, dst, ids)
+            return Ticket(dst)
+        with self._on(self.s_gather, after_compute=False), \
+                self.timing("time_h2d_s", self.s_gather):
+            self.s_gather.wait_stream(self.s_out)
+            if free is not None:
+                self.s_gather.wait_event(free)
+            copy_rows(view, dst, ids)
+        return Ticket(dst, self._ready_event(self.s_gather))
 
     def fetch_range(self, host: Tensor, start: int, stop: int, slot: str) -> Ticket:
         """Start copying ``host[start:stop]`` to the device; :meth:`take` gives it.

@@ -32,7 +32,7 @@ def run_rank(rank: int, world: int, port: int, out: str, jobs: list[dict]) -> No
 
 
 def run_job(rank, world, comm, case: str, layer: str, chunks: int, checkpoint: str,
-            flags: dict, ordered_rows: bool = False) -> dict:
+            flags: dict, ordered_rows: bool = False, first_in_flushes: bool = False) -> dict:
     """One step and one evaluation of a job on this rank (own rows taken from the
     sources where the case has a self-loop on every vertex, as training has it)."""
     from tests.engine.test_oracle import make_model
@@ -51,6 +51,7 @@ def run_job(rank, world, comm, case: str, layer: str, chunks: int, checkpoint: s
     ex = Executor(model, cs, buf, torch.from_numpy(g.y[a:b]), masks, torch.device("cpu"),
                   plan.plans[rank], checkpoint=checkpoint, seed=0, comm=comm,
                   num_train=int(g.train_mask.sum()), ordered_rows=ordered_rows,
+                  first_in_flushes=first_in_flushes,
                   own_in_sources=flags.get("p2p", True) and has_self_loops(g)
                   and any(x.needs_dst for x in model.layers))
     res = ex.step(3)
@@ -63,4 +64,5 @@ def run_job(rank, world, comm, case: str, layer: str, chunks: int, checkpoint: s
             "loads": int(plan.plans[rank].load_ids.shape[0]),
             "sends": int(plan.plans[rank].send_ids.shape[0]),
             "own_rows": b - a, "ordered_rows": ex.ordered_rows,
-            "own_from_sources": ex.own_rows_from_sources}
+            "own_from_sources": ex.own_rows_from_sources,
+            "first_in_flushes": ex.first_in_flushes}

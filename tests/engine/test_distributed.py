@@ -38,6 +38,9 @@ ORDERED_JOBS = [dict(case="skewed", layer="gcn", chunks=3, checkpoint="auto", fl
 # own rows taken from the sources (a self-loop on every vertex)
 OWN_JOBS = [dict(case="self_loops", layer=layer, chunks=3, checkpoint=ck, flags=ON)
             for layer in ("gat", "sage") for ck in ("auto", "recompute")]
+# the first layer's backward run on layer 1's flushes (as on GPUs)
+FOLD_JOBS = [dict(case="skewed", layer="gcn", chunks=3, checkpoint="auto", flags=flags,
+                  first_in_flushes=True) for flags in (ON, OFF)]
 
 
 def free_port() -> int:
@@ -55,7 +58,7 @@ def run_world(tmp_path, world: int, jobs: list[dict]) -> list[list[dict]]:
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
     return run_world(tmp_path_factory.mktemp("w2"), 2,
-                     LAYER_JOBS + FLAG_JOBS + ORDERED_JOBS + OWN_JOBS)
+                     LAYER_JOBS + FLAG_JOBS + ORDERED_JOBS + OWN_JOBS + FOLD_JOBS)
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +156,15 @@ def test_comm_leaves_only_the_group_it_joined(monkeypatch):
     finally:  # no group outlives the test, whatever failed
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("k", range(len(FOLD_JOBS)))
+def test_ranks_run_the_first_backward_on_their_flushes(two, k):
+    """Each rank runs the first layer's backward on the gradient rows it
+    flushes (its own rows' partial sums, those received from the peer among
+    them); the all-reduced gradients still match one process and the
+    reference."""
+    job = FOLD_JOBS[k]
+    ranks = two[len(LAYER_JOBS) + len(FLAG_JOBS) + len(ORDERED_JOBS) + len(OWN_JOBS) + k]
+    assert all(r["first_in_flushes"] for r in ranks)
+    check_job(ranks, {key: v for key, v in job.items() if key != "first_in_flushes"}, 2)

@@ -50,7 +50,8 @@ def chunked_step(model: GNN, graph, parts: int, chunks: int, checkpoint: str, ep
                  assignment=None, device: str = "cpu", reuse: bool = True, p2p: bool = True,
                  reorg: bool = True, overlap: bool = True, resident: bool = False,
                  cache_rows: int = 0, resident_blocks: bool = True, whole: bool = False,
-                 ordered: bool = False, ordered_rows: bool = False, own: bool | None = None):
+                 ordered: bool = False, ordered_rows: bool = False, own: bool | None = None,
+                 first_in_flushes: bool = True):
     """One executor step on ``graph`` split into ``parts`` x ``chunks`` on ``device``
     (``cache_rows``: spare slots for rows kept across batches; ``whole``: layers
     whose rows fit the transition buffer move them all at once, which on these
@@ -59,7 +60,8 @@ def chunked_step(model: GNN, graph, parts: int, chunks: int, checkpoint: str, ep
     ``ordered_rows``: later layers' rows are written in load order in training;
     ``own``: chunks take their own rows from their sources, default where every
     vertex has a self-loop, a layer reads its own rows and ``p2p``, as the
-    Trainer has it)."""
+    Trainer has it; ``first_in_flushes``: the first layer's backward may run
+    on layer 1's flushes, as the Trainer has it on GPUs)."""
     if assignment is None:
         assignment = np.arange(graph.num_nodes) % parts
     p = chunk_partition(graph, assignment, chunks, num_parts=parts)
@@ -75,7 +77,7 @@ def chunked_step(model: GNN, graph, parts: int, chunks: int, checkpoint: str, ep
     ex = Executor(model, cs, buf, torch.from_numpy(g.y), masks_of(g), dev, plan.plans[0],
                   checkpoint=checkpoint, seed=0, overlap=overlap,
                   resident_blocks=resident_blocks, whole_layers=whole, ordered_inputs=ordered,
-                  ordered_rows=ordered_rows,
+                  ordered_rows=ordered_rows, first_in_flushes=first_in_flushes,
                   own_in_sources=own if own is not None else (
                       p2p and any(x.needs_dst for x in model.layers) and has_self_loops(g)))
     ex.transfer_plan = plan
@@ -196,7 +198,7 @@ def test_whole_layer_passes_equal_full_graph(case, layer, checkpoint, chunks):
     if ex._kept[1]:  # (where the next forward's first rows may not go ahead)
         g1 = ex._grad_rows(1)
         start = (g1.data_ptr() - ex._rowmem.data_ptr()) // g1.element_size()
-        assert ex._overlaps_grads(start + 1) and not ex._overlaps_grads(start)
+        assert ex._prefetch_start(start + 1) is None and ex._prefetch_start(start) == 0
 
 
 @pytest.mark.parametrize("transform_first", [True, False])
@@ -402,7 +404,9 @@ def test_whole_layers_move_all_rows_once(layer, checkpoint):
     assert ex.rows_kept == kept_rows
     ref_loss, ref_grads = reference_step(model, g)
     assert_matches(model, res.loss, ref_loss, ref_grads)
-    _, _, plain = chunked_step(make_model(layer), graph, 1, 6, checkpoint)
+    # (the plan's rows with ∇h^1 through host memory, as a whole layer 1 has it)
+    _, _, plain = chunked_step(make_model(layer), graph, 1, 6, checkpoint,
+                               first_in_flushes=False)
     assert plain._whole == [False, False] and not any(plain._kept)
     n, L, rows = g.num_nodes, model.num_layers, plain.transfer_plan.h2d_rows
     assert rows > n  # (the plan would move more)
@@ -418,6 +422,46 @@ def test_whole_layers_move_all_rows_once(layer, checkpoint):
     assert p.d2h_rows - t.d2h_rows == (plain.transfer_plan.d2h_rows - held(plain) + own - n
                                        + 2 * n * cached
                                        + n * kept_rows)
+
+
+@pytest.mark.parametrize("which", ["gcn", "gcn-dropped", "gcn3", "gcn-gat", "gcn-sage"])
+@pytest.mark.parametrize("chunks", [1, 5])
+def test_first_backward_runs_on_layer_1_flushes(which, chunks):
+    """Where layer 1 moves the plan's rows, the first layer's backward (cached,
+    no own rows: GCN) runs on layer 1's gradient flushes: each flushed partial
+    ∇h^1 through the first layer's update's backward at its rows' aggregates.
+    The same step as the reference and as with ∇h^1 through host memory and a
+    first-layer pass, whatever layer 1 is (a GAT or SAGE layer 1 adds its own
+    rows' gradients at their slots) and with the first layer's output dropped
+    out by it (its dropout keyed by the flushed rows' ids). It stores no ∇h^1
+    and loads, instead of ∇h^1 and a^0 of every row, a^0 of the flushed rows."""
+    graph = CASES["self_loops"](seed=7)
+
+    def model():
+        torch.manual_seed(0)
+        if which == "gcn3":
+            return three_layers("gcn", True)
+        if which in ("gcn", "gcn-dropped"):
+            return make_model("gcn", transform_first=which == "gcn",
+                              keep_dropped=which == "gcn-dropped")
+        second = resolve_layer(which.split("-")[1])
+        return GNN([resolve_layer("gcn")(NUM_FEATURES, 8), second(8, NUM_CLASSES)],
+                   dropout=0.5, keep_dropped=True)
+
+    on, off = model(), model()
+    res, g, ex = chunked_step(on, graph, 1, chunks, "auto")
+    assert ex.first_in_flushes and ex.batches_per_epoch(False) == chunks * (
+        2 * on.num_layers - 1)
+    ref_loss, ref_grads = reference_step(model(), g)
+    assert_matches(on, res.loss, ref_loss, ref_grads)
+    res2, _, plain = chunked_step(off, graph, 1, chunks, "auto", first_in_flushes=False)
+    assert not plain.first_in_flushes
+    assert_matches(off, res2.loss, ref_loss, ref_grads)
+    n, (w0, w1) = g.num_nodes, on.row_widths()[:2]
+    flushed = ex.transfer_plan.d2h_rows
+    t, p = ex.mover.traffic, plain.mover.traffic
+    assert p.h2d_bytes - t.h2d_bytes == 4 * (n * w1 + n * w0 - flushed * w0)
+    assert p.d2h_bytes - t.d2h_bytes == 4 * (flushed - held(plain)) * w1
 
 
 @pytest.mark.parametrize("chunks", [6, 12])
@@ -647,6 +691,35 @@ def test_next_forward_rows_travel_during_backward(layer, chunks):
     assert (0, 0) in asked
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunks", [24, 40])
+def test_next_forward_rows_travel_after_the_kept_gradient_is_read(chunks, monkeypatch):
+    """Where the first layer's backward runs on layer 1's flushes, layer 1's
+    backward brings the next forward's first rows, but where it reads ∇h^2
+    kept at the start of the row memory (a narrow last layer moving whole),
+    only from the second item after the last whose chunk reads rows of ∇h^2
+    lying under them (on this small graph near the end); the steps stay
+    exact. (The first layer moves the plan's rows here, as its inputs kept in
+    load order need.)"""
+    rule = executor.layers_moved_whole
+    monkeypatch.setattr(executor, "layers_moved_whole",
+                        lambda *a, **k: [False] + rule(*a, **k)[1:])
+    graph = CASES["self_loops"](seed=5)
+    model = three_layers("gcn", True)
+    res, g, ex = chunked_step(model, graph, 1, chunks, "auto", device="cuda",
+                              ordered=True, whole=True)
+    assert ex.first_in_flushes and ex._prefetch_in == 1 and ex._kept[2]
+    assert ex._prefetch and 0 < ex._prefetch_from < len(ex.plan.items)
+    assert_matches(model, res.loss, *reference_step(model, g))
+    asked = []
+    orig = ex._fetch_rows
+    ex._fetch_rows = lambda l, i, *a: asked.append((l, i)) or orig(l, i, *a)
+    for epoch in (4, 5):
+        res = ex.step(epoch)
+        assert (0, 0) not in asked and ex._ahead is not None
+        assert_matches(model, res.loss, *reference_step(model, g, epoch))
+
+
 @pytest.mark.parametrize("layer", LAYERS)
 @pytest.mark.parametrize("parts", [1, 3])
 def test_rows_kept_across_batches_do_not_change_the_step(layer, parts):
@@ -725,7 +798,7 @@ def test_resident_arithmetic_on_cpu(layer, chunks, monkeypatch):
         orig(self, *a, **kw)
         self._direct = self.resident = True
         self._whole = [False] * len(self._whole)  # (as a resident executor has it)
-        self._first_in_slots = False
+        self._first_in_slots = self._in_flushes = False
         self._in_place = self._in_slots = [False] * len(self._whole)
 
     monkeypatch.setattr(Executor, "__init__", resident_init)

@@ -57,6 +57,27 @@ def test_setup_names_the_layers_moved_whole(tmp_path):
 
 
 @pytest.mark.parametrize("accelerator", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_first_backward_runs_on_layer_1_flushes_on_gpus(tmp_path, accelerator):
+    """Out of core on a GPU, a GCN's first layer has no backward pass of its
+    own: layer 1's runs it on its gradient flushes, ∇h^1 gets no host buffer
+    and the setup says so; on a CPU (no link bytes to save) it keeps its pass."""
+    lines = []
+    cfg = load_config(REPO / "configs" / "gcn_example.yaml",
+                      [f"output.dir={tmp_path}", f"engine.cache_dir={tmp_path}/cache",
+                       f"engine.accelerator={accelerator}", "model.hidden=16",
+                       "engine.chunks=3", "engine.resident=false", "engine.whole_layers=false"])
+    tr = Trainer(cfg, overwrite=True, out=lines.append)
+    gpu = accelerator == "cuda"
+    assert tr.executor.first_in_flushes == gpu and (tr.executor.buf.grad[1] is None) == gpu
+    said = "\n".join(lines).splitlines()
+    assert ("first layer's backward run on layer 1's gradient flushes (grad h^1 never "
+            "goes to host memory)" in said) == gpu
+    assert any(x.strip().startswith("grad h^1 ") for x in said) != gpu
+    res = tr.run_epoch(0, evaluate=True)
+    assert math.isfinite(res["loss"])
+
+
+@pytest.mark.parametrize("accelerator", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_auto_recomputes_layers_reading_own_rows_among_their_sources(tmp_path, accelerator):
     """checkpoint auto out of core on a GPU: with a self-loop on every vertex (the
     example's data.self_loops) and p2p, layers that read their own rows (SAGE)
