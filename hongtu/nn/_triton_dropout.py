@@ -4,7 +4,9 @@ Bit-identical to the tensor-op version in :mod:`hongtu.nn.ops` (a test on a
 GPU checks it): one launch writes the whole keep-mask instead of ~25
 elementwise int64 kernels per block of rows, and :func:`dropout_triton` applies
 it in the same pass (``x * where(keep, scale, 0)``, which equals
-``(x * mask) * scale`` bit for bit) without writing the mask at all.
+``(x * mask) * scale`` bit for bit) without writing the mask at all. Each
+program takes a 2-D tile of rows and columns (no per-element division by the
+width) and hashes in uint32 lanes (no 64-bit products).
 """
 
 from __future__ import annotations
@@ -13,52 +15,68 @@ import torch
 import triton
 import triton.language as tl
 
-_BLOCK = 1024
+#: elements a program covers (rows x columns of a 2-D tile, columns a power of two)
+_TILE = 2048
+_MAX_COLS = 256
+
+
+def _tile(width: int) -> tuple[int, int]:
+    """``(rows, columns)`` of a program's tile for rows of ``width``."""
+    cols = min(_MAX_COLS, triton.next_power_of_2(max(int(width), 1)))
+    return _TILE // cols, cols
 
 
 @triton.jit
 def _fmix32(h):
-    # int64 lanes holding 32-bit values; products wrap mod 2^64, whose low 32
-    # bits are the 32-bit product, so masking restores exact uint32 arithmetic.
+    # uint32 lanes: products and shifts wrap and fill as the 32-bit hash's.
     h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h = h * 0x85EBCA6B
     h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    h = h * 0xC2B2AE35
     return h ^ (h >> 16)
 
 
 @triton.jit
-def _keep(ids_ptr, offs, valid, width, seed_lo, seed_hi, threshold):
-    seed_lo, seed_hi = seed_lo & 0xFFFFFFFF, seed_hi & 0xFFFFFFFF  # see _words
-    threshold = threshold & 0xFFFFFFFF
-    row = offs // width
-    col = offs - row * width
-    vid = tl.load(ids_ptr + row, mask=valid, other=0)
+def _tile_at(n, width, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """A program's rows ``(ROWS, 1)``, columns ``(1, COLS)``, which rows exist and
+    which elements: a 2-D tile, so no element divides its offset by the width."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+    col = tl.program_id(1) * COLS + tl.arange(0, COLS)[None, :]
+    inside = row < n
+    return row, col, inside, inside & (col < width)
+
+
+@triton.jit
+def _keep(ids_ptr, row, col, inside, width, seed_lo, seed_hi, threshold):
+    vid = tl.load(ids_ptr + row, mask=inside, other=0)
     key = vid * width + col                                  # int64, non-negative
-    h = _fmix32((key >> 32) ^ seed_lo)
-    h = _fmix32((key & 0xFFFFFFFF) ^ h ^ seed_hi)
+    seed_lo = (seed_lo & 0xFFFFFFFF).to(tl.uint32)           # (see _words)
+    seed_hi = (seed_hi & 0xFFFFFFFF).to(tl.uint32)
+    threshold = (threshold & 0xFFFFFFFF).to(tl.uint32)
+    h = _fmix32((key >> 32).to(tl.uint32) ^ seed_lo)
+    h = _fmix32(key.to(tl.uint32) ^ h ^ seed_hi)
     return h >= threshold
 
 
-# Seeds change every epoch and layer: no compiled variant per value.
-_VARYING = ["total", "seed_lo", "seed_hi", "threshold"]
+# Seeds change every epoch and layer, row counts every step: no compiled variant per value.
+_VARYING = ["n", "seed_lo", "seed_hi", "threshold"]
 
 
 @triton.jit(do_not_specialize=_VARYING)
-def _mask_kernel(ids_ptr, out_ptr, total, width, seed_lo, seed_hi, threshold,
-                 BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    valid = offs < total
-    keep = _keep(ids_ptr, offs, valid, width, seed_lo, seed_hi, threshold)
-    tl.store(out_ptr + offs, keep, mask=valid)
+def _mask_kernel(ids_ptr, out_ptr, n, width, seed_lo, seed_hi, threshold,
+                 ROWS: tl.constexpr, COLS: tl.constexpr):
+    row, col, inside, valid = _tile_at(n, width, ROWS, COLS)
+    keep = _keep(ids_ptr, row, col, inside, width, seed_lo, seed_hi, threshold)
+    tl.store(out_ptr + row * width + col, keep, mask=valid)
 
 
 @triton.jit(do_not_specialize=_VARYING)
-def _dropout_kernel(x_ptr, gate_ptr, ids_ptr, out_ptr, total, width, seed_lo, seed_hi,
-                    threshold, scale, MODE: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    valid = offs < total
-    keep = _keep(ids_ptr, offs, valid, width, seed_lo, seed_hi, threshold)
+def _dropout_kernel(x_ptr, gate_ptr, ids_ptr, out_ptr, n, width, seed_lo, seed_hi,
+                    threshold, scale, MODE: tl.constexpr, ROWS: tl.constexpr,
+                    COLS: tl.constexpr):
+    row, col, inside, valid = _tile_at(n, width, ROWS, COLS)
+    keep = _keep(ids_ptr, row, col, inside, width, seed_lo, seed_hi, threshold)
+    offs = row * width + col
     x = tl.load(x_ptr + offs, mask=valid)
     if MODE == 1:  # relu first, as torch's: max(x, 0) keeping NaN and -0.0
         x = tl.where(x < 0, 0.0, x)
@@ -70,19 +88,17 @@ def _dropout_kernel(x_ptr, gate_ptr, ids_ptr, out_ptr, total, width, seed_lo, se
 
 
 @triton.jit(do_not_specialize=_VARYING)
-def _dropout_rows_kernel(x_ptr, x_at_ptr, out_ptr, at_ptr, ids_ptr, total, width, seed_lo,
-                         seed_hi, threshold, scale, X_AT: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    valid = offs < total
-    keep = _keep(ids_ptr, offs, valid, width, seed_lo, seed_hi, threshold)
-    row = offs // width
-    col = offs - row * width
+def _dropout_rows_kernel(x_ptr, x_at_ptr, out_ptr, at_ptr, ids_ptr, n, width, seed_lo,
+                         seed_hi, threshold, scale, X_AT: tl.constexpr, ROWS: tl.constexpr,
+                         COLS: tl.constexpr):
+    row, col, inside, valid = _tile_at(n, width, ROWS, COLS)
+    keep = _keep(ids_ptr, row, col, inside, width, seed_lo, seed_hi, threshold)
     if X_AT:
-        src = tl.load(x_at_ptr + row, mask=valid, other=0) * width + col
+        src = tl.load(x_at_ptr + row, mask=inside, other=0) * width + col
     else:
-        src = offs
+        src = row * width + col
     x = tl.load(x_ptr + src, mask=valid)
-    dst = tl.load(at_ptr + row, mask=valid, other=0) * width + col
+    dst = tl.load(at_ptr + row, mask=inside, other=0) * width + col
     tl.store(out_ptr + dst, x * tl.where(keep, scale, 0.0), mask=valid)
 
 
@@ -101,10 +117,11 @@ def dropout_mask_triton(ids: torch.Tensor, width: int, threshold: int, seed: int
     """Keep-mask ``(len(ids), width)`` computed on the GPU in one launch."""
     ids = ids.to(torch.int64).contiguous()
     out = torch.empty((ids.shape[0], width), dtype=torch.bool, device=ids.device)
-    total = ids.shape[0] * width
-    if total:
-        grid = (triton.cdiv(total, _BLOCK),)
-        _mask_kernel[grid](ids, out, total, width, *_words(seed, threshold), BLOCK=_BLOCK)
+    n = int(ids.shape[0])
+    if n and width:
+        rows, cols = _tile(width)
+        grid = (triton.cdiv(n, rows), triton.cdiv(width, cols))
+        _mask_kernel[grid](ids, out, n, width, *_words(seed, threshold), ROWS=rows, COLS=cols)
     return out
 
 
@@ -119,12 +136,13 @@ def dropout_triton(x: torch.Tensor, ids: torch.Tensor, threshold: int, seed: int
     x = x.contiguous()
     gate = x if gate is None else gate.contiguous()
     out = torch.empty_like(x)
-    total = x.numel()
-    if total:
-        width = total // ids.shape[0]
-        grid = (triton.cdiv(total, _BLOCK),)
-        _dropout_kernel[grid](x, gate, ids, out, total, width, *_words(seed, threshold), scale,
-                              MODE=mode, BLOCK=_BLOCK)
+    n = int(ids.shape[0])
+    if x.numel():
+        width = x.numel() // n
+        rows, cols = _tile(width)
+        grid = (triton.cdiv(n, rows), triton.cdiv(width, cols))
+        _dropout_kernel[grid](x, gate, ids, out, n, width, *_words(seed, threshold), scale,
+                              MODE=mode, ROWS=rows, COLS=cols)
     return out
 
 
@@ -141,9 +159,8 @@ def dropout_rows_triton(x: torch.Tensor, ids: torch.Tensor, threshold: int, seed
     ids = ids.to(torch.int64).contiguous()
     at = at.to(torch.int64).contiguous()
     width = int(out.shape[1])
-    total = n * width
     src_at = at if x_at is None else x_at.to(torch.int64).contiguous()
-    grid = (triton.cdiv(total, _BLOCK),)
-    _dropout_rows_kernel[grid](x, src_at, out, at, ids, total, width,
-                               *_words(seed, threshold), scale, X_AT=x_at is not None,
-                               BLOCK=_BLOCK)
+    rows, cols = _tile(width)
+    grid = (triton.cdiv(n, rows), triton.cdiv(width, cols))
+    _dropout_rows_kernel[grid](x, src_at, out, at, ids, n, width, *_words(seed, threshold),
+                               scale, X_AT=x_at is not None, ROWS=rows, COLS=cols)

@@ -111,3 +111,28 @@ def test_fused_relu_dropout_matches_relu_then_dropout(p):
     # off, or without Triton's conditions: plain relu then dropout
     torch.testing.assert_close(ops.relu_dropout(x0, ids, p, 77, training=False),
                                torch.relu(x0), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [1, 37, 256, 300, 602])
+def test_triton_tiles_match_cpu_kernel_at_any_width(width):
+    """Rows wider than a tile span several column programs; keys cross 2^32."""
+    pytest.importorskip("triton")
+    from hongtu.nn import _triton_dropout as K
+
+    seed, p = 2**62 + 77, 0.3
+    ids = torch.randint(0, 2**34, (1001,), dtype=torch.int64)
+    mask = ops.dropout_mask(ids, width, p, seed)
+    assert torch.equal(K.dropout_mask_triton(ids.cuda(), width, int(p * 2**32), seed).cpu(),
+                       mask)
+    x = torch.randn(1001, width)
+    y = K.dropout_triton(x.cuda(), ids.cuda(), int(p * 2**32), seed, 1 / (1 - p)).cpu()
+    assert torch.equal(y, (x * mask).mul_(1 / (1 - p)))
+    # rows read at x_at, written at at
+    x_at, at = torch.randperm(1001)[:500], torch.randperm(700)[:500]
+    out = torch.zeros(700, width).cuda()
+    K.dropout_rows_triton(x.cuda(), ids[:500].cuda(), int(p * 2**32), seed, 1 / (1 - p),
+                          out, at.cuda(), x_at=x_at.cuda())
+    ref = torch.zeros(700, width)
+    ref[at] = (x[x_at] * mask[:500]).mul_(1 / (1 - p))
+    assert torch.equal(out.cpu(), ref)
