@@ -182,14 +182,24 @@ def flush_piece_rows(width: int, itemsize: int, max_rows: int) -> int:
     return max(1, min(int(max_rows), FLUSH_PIECE_BYTES // max(1, width * itemsize)))
 
 
+def first_layer_may_fold(model: GNN) -> bool:
+    """Whether ``model`` lets its first layer's backward run on layer 1's
+    gradient flushes (:func:`~hongtu.engine.executor.first_backward_in_flushes`
+    adds what the plan and the device decide): two layers or more, and a
+    cacheable first layer that reads no own rows (it needs no gradient of
+    its inputs)."""
+    first = model.layers[0]
+    return model.num_layers >= 2 and first.cacheable and not first.needs_dst
+
+
 def flush_pieces_bytes(model: GNN, max_rows: int, itemsize: int) -> int:
     """Device bytes of the two pieces of aggregates the first layer's backward
-    on layer 1's flushes gathers, where the model may run it (a first layer
-    that is cacheable and reads no own rows; whether the plan lets it is known
-    after the estimate: counted either way)."""
-    first, w = model.layers[0], model.row_widths()[0]
-    if model.num_layers < 2 or not first.cacheable or first.needs_dst:
+    on layer 1's flushes gathers, where the model may run it
+    (:func:`first_layer_may_fold`; whether the plan lets it is known after the
+    estimate: counted either way)."""
+    if not first_layer_may_fold(model):
         return 0
+    w = model.row_widths()[0]
     return 2 * flush_piece_rows(w, itemsize, max_rows) * w * itemsize
 
 

@@ -40,6 +40,7 @@ from torch import Tensor
 from hongtu.config import EngineConfig
 from hongtu.dedup import DevicePlan
 from hongtu.engine.budget import (
+    first_layer_may_fold,
     first_layer_stores,
     flush_piece_rows,
     row_memory,
@@ -193,11 +194,10 @@ def first_backward_in_flushes(model: GNN, cached: list[bool], whole: list[bool],
     added at their slots (``own``: every chunk reads its own rows among its
     sources). Not in resident mode on one device (``direct``: no flushes).
     """
-    if len(model.layers) < 2 or direct:
+    if direct or not first_layer_may_fold(model):
         return False
-    first, second = model.layers[0], model.layers[1]
-    return bool(cached[0] and not first.needs_dst and not whole[1] and not kept[1]
-                and (own or not second.needs_dst))
+    return bool(cached[0] and not whole[1] and not kept[1]
+                and (own or not model.layers[1].needs_dst))
 
 
 def held_rows(plan: DevicePlan) -> int:
