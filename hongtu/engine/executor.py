@@ -1499,11 +1499,12 @@ class Executor:
             ticket, a, b = piece
             piece = self._flush_gather(s, k + 1)
             rows = mv.take(ticket)
-            with mv.timing("time_compute_s"), torch.enable_grad():
+            with mv.timing("time_compute_s"):
                 g = gbuf.index_select(0, slots[a:b])
-                out = model.step_update(0, _Rows(ids[a:b] + self.chunks.row0), rows, None,
-                                        seed, nxt)
-                _backward(out, g)
+                at = _Rows(ids[a:b] + self.chunks.row0)
+                if not model.update_backward(0, at, rows, g, nxt)[0]:
+                    with torch.enable_grad():
+                        _backward(model.step_update(0, at, rows, None, seed, nxt), g)
             if mv.overlap:  # (the gather after next may overwrite these rows then)
                 done = torch.cuda.Event()
                 done.record(mv.compute)
@@ -1549,11 +1550,14 @@ class Executor:
         a = mv.take(agg) if self.cached[l] else None
         with mv.timing("time_compute_s"), torch.enable_grad():
             if a is not None:
-                a = a.detach().requires_grad_(need_in)
-                out = model.step_update(l, block, a, x_dst, seed, nxt)
-                _backward(out, g_out)
-                g_src = (model.step_aggregate_transpose(l, block, a.grad, seed)
-                         if need_in and a.grad is not None else None)
+                done, g_a = model.update_backward(l, block, a, g_out, nxt, need_in) \
+                    if x_dst is None else (False, None)
+                if not done:
+                    a = a.detach().requires_grad_(need_in)
+                    _backward(model.step_update(l, block, a, x_dst, seed, nxt), g_out)
+                    g_a = a.grad
+                g_src = (model.step_aggregate_transpose(l, block, g_a, seed)
+                         if need_in and g_a is not None else None)
             else:
                 x_src = self._sources(l, q, block, tbuf).detach().requires_grad_(need_in)
                 own = self._dst_in_sources(l)

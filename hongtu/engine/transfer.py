@@ -312,6 +312,7 @@ class Mover:
             weakref.finalize(self, self._adder.stop)
         self._views: dict[int, Tensor] = {}
         self._events: list = []
+        self._spare: list = []  # timing events read by fold, to record again
         #: set to ``[]`` to record, at the next :meth:`settle`, every timed piece of
         #: work as ``(field, start ms, end ms)`` from the first (GPU only); layer
         #: passes start at ``("pass", t, t)`` entries (:meth:`barrier`)
@@ -320,7 +321,9 @@ class Mover:
         #: each pass start
         self.pass_bytes: list = []
         self.compute = self.s_in = self.s_out = self.s_widen = self.s_gather = None
+        self._marks: dict = {}  # per stream: the event _follow records on it
         if self.cuda:
+            # work is issued on this stream but where the mover selects another (_on)
             self.compute = torch.cuda.current_stream(device)
             self.s_in = torch.cuda.Stream(device) if self.overlap else self.compute
             self.s_out = torch.cuda.Stream(device) if self.overlap else self.compute
@@ -328,6 +331,7 @@ class Mover:
             self.s_widen = torch.cuda.Stream(device) if self.overlap else self.compute
             # zero-copy gathers beside the load stream's copies (gather_rows)
             self.s_gather = torch.cuda.Stream(device) if self.overlap else self.compute
+        self._current = self.compute  # the stream _on selected last
         self._runs: dict = {}  # per (block, skip): what fetch_block copies
         self.itemsize = torch.empty((), dtype=dtype).element_size()
 
@@ -383,9 +387,24 @@ class Mover:
             yield
             return
         if after_compute:
-            stream.wait_stream(self.compute)
-        with torch.cuda.stream(stream):
+            self._follow(stream, self.compute)
+        prev, self._current = self._current, stream
+        torch.cuda.set_stream(stream)  # (a tenth of torch.cuda.stream's host time)
+        try:
             yield
+        finally:
+            torch.cuda.set_stream(prev)
+            self._current = prev
+
+    def _follow(self, stream, other) -> None:
+        """Work issued on ``stream`` from now on waits for what ``other`` has so far
+        (``stream.wait_stream(other)`` with one event per stream, recorded again
+        each time: a wait holds the record current when it was issued)."""
+        mark = self._marks.get(id(other))
+        if mark is None:
+            mark = self._marks[id(other)] = torch.cuda.Event()
+        mark.record(other)
+        stream.wait_event(mark)
 
     @contextlib.contextmanager
     def timing(self, field: str, stream=None):
@@ -394,7 +413,7 @@ class Mover:
             yield
         elif self.cuda:
             stream = self.compute if stream is None else stream
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start, end = self._timer(), self._timer()
             start.record(stream)
             yield
             end.record(stream)
@@ -403,6 +422,10 @@ class Mover:
             t0 = time.perf_counter()
             yield
             setattr(self.traffic, field, getattr(self.traffic, field) + time.perf_counter() - t0)
+
+    def _timer(self):
+        """A timing event: one :meth:`fold` has read, else a new one."""
+        return self._spare.pop() if self._spare else torch.cuda.Event(enable_timing=True)
 
     def _ready_event(self, stream):
         if not self.cuda or stream is self.compute:
@@ -420,9 +443,9 @@ class Mover:
         does not: the next pass's first block travels while this one ends.)
         """
         if self.overlap:
-            self.s_in.wait_stream(self.s_out)
+            self._follow(self.s_in, self.s_out)
         if self.timeline is not None and self.cuda:
-            mark = torch.cuda.Event(enable_timing=True)
+            mark = self._timer()
             mark.record(self.compute)
             self._events.append(("pass", mark, mark))
             self.pass_bytes.append((self.traffic.h2d_bytes, self.traffic.d2h_bytes))
@@ -434,10 +457,10 @@ class Mover:
         needs it)."""
         if self.overlap:
             if loads_until is None:
-                self.compute.wait_stream(self.s_in)
+                self._follow(self.compute, self.s_in)
             else:
                 self.compute.wait_event(loads_until)
-            self.compute.wait_stream(self.s_out)
+            self._follow(self.compute, self.s_out)
 
     def load_mark(self):
         """An event after the loads issued so far (for :meth:`join`), or ``None``."""
@@ -469,9 +492,11 @@ class Mover:
             field, start, end = item
             if done_only and not end.query():
                 left.append(item)
-            elif field != "pass":
-                setattr(self.traffic, field,
-                        getattr(self.traffic, field) + start.elapsed_time(end) / 1000.0)
+            else:
+                if field != "pass":
+                    setattr(self.traffic, field,
+                            getattr(self.traffic, field) + start.elapsed_time(end) / 1000.0)
+                self._spare.extend((start,) if start is end else (start, end))
         self._events = left
 
     # ----------------------------------------------------------- host -> dev
@@ -601,7 +626,7 @@ class Mover:
             return Ticket(dst)
         with self._on(self.s_gather, after_compute=False), \
                 self.timing("time_h2d_s", self.s_gather):
-            self.s_gather.wait_stream(self.s_out)
+            self._follow(self.s_gather, self.s_out)
             if free is not None:
                 self.s_gather.wait_event(free)
             copy_rows(view, dst, ids, grid=GATHER_LOADS)
@@ -658,7 +683,8 @@ class Mover:
         if narrow:
             if ready is not None:
                 self.s_widen.wait_event(ready)
-            with torch.cuda.stream(self.s_widen), self.timing("time_h2d_s", self.s_widen):
+            with self._on(self.s_widen, after_compute=False), \
+                    self.timing("time_h2d_s", self.s_widen):
                 for d, parts in narrow:
                     if self.overlap:
                         d.record_stream(self.s_widen)

@@ -56,6 +56,9 @@ class GCN(GNNLayer):
         # its gradient one matrix-vector product)
         return ops.linear(a, self.lin.weight, self.bias)
 
+    def linear_update(self) -> tuple[Tensor, Tensor | None]:
+        return self.lin.weight, self.bias
+
     def transform(self, x: Tensor) -> Tensor:
         return self.lin(x)
 

@@ -134,12 +134,52 @@ class GNNLayer(nn.Module):
         """Optional: the per-row rest of the update after :meth:`transform` (e.g. the bias)."""
         return a
 
+    def linear_update(self) -> tuple[Tensor, Tensor | None] | None:
+        """Optional: ``(weight, bias)`` where ``update(a, None)`` is exactly
+        ``ops.linear(a, weight, bias)`` (``bias`` may be ``None``) and, where the
+        layer defines :meth:`transform`, ``transform(x)`` is exactly
+        ``torch.nn.functional.linear(x, weight)``.
+
+        Where a layer declares it, the engine runs the update's backward (and
+        that of the linear map of a layer before it which transforms first)
+        with the matrix products written out, without building an autograd
+        graph (:meth:`~hongtu.nn.GNN.update_backward`). ``None`` (default):
+        autograd.
+        """
+        return None
+
+    def _owner(self, name: str) -> type:
+        """The class whose own attribute ``name`` this layer uses."""
+        return next(k for k in type(self).__mro__ if name in vars(k))
+
+    @property
+    def linear_params(self) -> tuple[Tensor, Tensor | None] | None:
+        """:meth:`linear_update`, where it comes from the class that defines
+        :meth:`update` (or one below it): a subclass that changes ``update``
+        alone breaks the promise its parent made. ``None`` otherwise."""
+        made = self._owner("linear_update")
+        if made is GNNLayer or not issubclass(made, self._owner("update")):
+            return None
+        return self.linear_update()
+
+    @property
+    def linear_transform(self) -> Tensor | None:
+        """The weight of :meth:`transform` as :meth:`linear_update` declares it,
+        where the engine may apply it first (:attr:`can_transform_first`) and the
+        declaration comes from the class that defines :meth:`transform` (or one
+        below it); ``None`` otherwise."""
+        lin = self.linear_params
+        if (lin is None or not self.can_transform_first
+                or not issubclass(self._owner("linear_update"), self._owner("transform"))):
+            return None
+        return lin[0]
+
     @property
     def finish_reads_input(self) -> bool:
         """Whether the gradient of :meth:`finish` needs the aggregate it was given
         (false for the identity and for a class that sets ``finish_adds_only``
         beside its own :meth:`finish`)."""
-        owner = next(k for k in type(self).__mro__ if "finish" in vars(k))
+        owner = self._owner("finish")
         return not (owner is GNNLayer or vars(owner).get("finish_adds_only", False))
 
     @property
@@ -150,12 +190,9 @@ class GNNLayer(nn.Module):
         :meth:`update` (or one below it): a subclass that changes ``update``
         alone breaks the promise its parent's ``transform`` made.
         """
-        def owner(name: str) -> type:
-            return next(k for k in type(self).__mro__ if name in vars(k))
-
-        made = owner("transform")
+        made = self._owner("transform")
         return (self.cacheable and not self.needs_dst and made is not GNNLayer
-                and issubclass(made, owner("update")))
+                and issubclass(made, self._owner("update")))
 
     def forward(self, block: Block, x_src: Tensor, x_dst: Tensor | None) -> Tensor:
         """Compute the destinations' new rows.

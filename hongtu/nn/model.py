@@ -27,6 +27,14 @@ _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"relu": F.relu, "elu": F.
 _M64 = (1 << 64) - 1
 
 
+def _accumulate(param: Tensor, grad: Tensor) -> None:
+    """``param.grad += grad`` as autograd accumulates it (the first becomes ``.grad``)."""
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+
+
 def layer_seed(seed: int, epoch: int, layer: int) -> int:
     """The dropout stream of (run seed, epoch, layer): a 63-bit splitmix64 hash."""
     z = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + layer * 0x94D049BB133111EB) & _M64
@@ -210,6 +218,57 @@ class GNN(nn.Module):
                 self._drop_input(l, x_dst, block.dst_ids(), seed)
             out = layer.update(a, xd)
         return self._emit(l, out, block, next_seed)
+
+    def update_backward(self, l: int, block: Block, a: Tensor, grad: Tensor,
+                        next_seed: int | None = None, need_input: bool = False
+                        ) -> tuple[bool, Tensor | None]:
+        """The backward of :meth:`step_update` ``(l, block, a, None, seed, next_seed)``
+        for ``grad``, its output's gradient, with its matrix products written
+        out (no autograd graph; the same values as autograd's): adds into the
+        parameters' gradients and returns ``(True, ∇a)`` (``∇a`` with
+        ``need_input``, else ``None``).
+
+        Only where the update is a linear map (:attr:`GNNLayer.linear_params`)
+        followed by ReLU, then layer ``l+1``'s dropout when it reads its rows
+        dropped and its linear map when it transforms first
+        (:attr:`GNNLayer.linear_transform`); returns ``(False, None)``, having
+        done nothing, elsewhere (and where a parameter has gradient hooks), for
+        the caller to run autograd.
+        """
+        layer = self.layers[l]
+        lin = layer.linear_params
+        if (lin is None or layer.needs_dst or self.transforms_first(l)
+                or l == self.num_layers - 1 or self.activation != "relu"):
+            return False, None
+        after = self.layers[l + 1].linear_transform if self.transforms_first(l + 1) else None
+        if self.transforms_first(l + 1) and after is None:
+            return False, None
+        params = [t for t in (*lin, after) if t is not None and t.requires_grad]
+        if any(t._backward_hooks or getattr(t, "_post_accumulate_grad_hooks", None)
+               for t in params):
+            return False, None
+        if self.reads_as_kept(l + 1) and next_seed is None:
+            raise ValueError(f"layer {l + 1} reads its rows dropped out by layer {l}: "
+                             "pass next_seed (its dropout seed)")
+        weight, bias = lin
+        p, seed = (self.p, next_seed) if self.reads_as_kept(l + 1) else (0.0, 0)
+        with torch.no_grad():
+            z = F.linear(a, weight, bias)
+            ids = block.dst_ids(z.device)
+            if after is not None:  # z^{l+1} = drop(relu(z)) W^T, as autograd takes mm's
+                h = ops.relu_dropout(z, ids, p, seed, self.training)
+                if after.requires_grad:
+                    _accumulate(after, grad.t().mm(h))
+                del h
+                grad = grad.mm(after)
+            gz = ops.relu_dropout_grad(grad, z, ids, p, seed, self.training)
+            del z, grad  # (no more than autograd's backward holds at once)
+            # (as ops.linear's backward: the bias's gradient one matrix-vector product)
+            if weight.requires_grad:
+                _accumulate(weight, gz.t().mm(a))
+            if bias is not None and bias.requires_grad:
+                _accumulate(bias, torch.mv(gz.t(), gz.new_ones(gz.shape[0])))
+            return True, gz.mm(weight) if need_input else None
 
     def drop_sources_into(self, l: int, x: Tensor, ids: Tensor, seed: int, out: Tensor,
                           at: Tensor, x_at: Tensor | None = None) -> None:

@@ -29,7 +29,7 @@ __all__ = [
     "BUILTIN_AGGREGATIONS", "aggregate", "aggregate_rows", "aggregate_transpose",
     "edge_weights", "fused_edge_weights", "spmm",
     "gather_src", "gather_dst", "scatter_dst", "edge_softmax", "dropout", "dropout_into",
-    "dropout_mask", "relu_dropout",
+    "dropout_mask", "relu_dropout", "relu_dropout_grad",
     "fused_edge_dots", "fused_dropout", "linear",
 ]
 
@@ -382,6 +382,19 @@ def relu_dropout(x: Tensor, ids: Tensor, p: float, seed: int, training: bool = T
     if training and p > 0.0 and x.numel() and fused_dropout(x):
         return _FusedDropout.apply(x, ids, p, seed, True)
     return dropout(torch.relu(x), ids, p, seed, training)
+
+
+def relu_dropout_grad(g: Tensor, x: Tensor, ids: Tensor, p: float, seed: int,
+                      training: bool = True) -> Tensor:
+    """The gradient in ``x`` of :func:`relu_dropout` ``(x, ids, p, seed, training)``
+    given ``g``, its output's, as its autograd backward computes it (the same
+    values bit for bit), without an autograd graph."""
+    if training and p > 0.0 and x.numel() and fused_dropout(x):
+        return _triton().dropout_triton(g, ids, _threshold(p), seed, 1.0 / (1.0 - p), gate=x)
+    if training and p > 0.0 and x.numel():
+        mask = dropout_mask(ids, x[0].numel(), p, seed).view(x.shape)
+        g = (g * (1.0 / (1.0 - p))) * mask
+    return torch.where(x <= 0, 0.0, g)  # (ReLU's backward: NaN passes the gradient)
 
 
 class _FusedDropout(torch.autograd.Function):

@@ -135,3 +135,44 @@ def test_fold_reads_finished_work_early_and_the_rest_at_settle():
     assert not mv._events
     want = sum(a.elapsed_time(b) for _, a, b in events) / 1000.0
     assert mv.traffic.time_compute_s == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.gpu
+def test_streams_switch_back_and_waits_hold_with_one_event_per_stream():
+    """``_on`` selects a stream and restores the one before it, nested too; a
+    wait between streams (one event per stream, recorded again each time)
+    holds the work issued before it; timing events read by ``fold`` are
+    recorded again, not made anew."""
+    d = torch.device("cuda")
+    mv = Mover(d, {"dst": (1, 1)}, 1, torch.float32)
+    assert torch.cuda.current_stream() == mv.compute
+    with mv._on(mv.s_in):
+        assert torch.cuda.current_stream() == mv.s_in
+        with mv._on(mv.s_out, after_compute=False):
+            assert torch.cuda.current_stream() == mv.s_out
+        assert torch.cuda.current_stream() == mv.s_in
+    assert torch.cuda.current_stream() == mv.compute
+    x = torch.zeros(1 << 20, device=d)
+    for k in range(1, 4):  # the load stream reads what compute wrote after a long kernel
+        torch.cuda._sleep(50_000_000)
+        x.fill_(k)
+        with mv._on(mv.s_in):
+            seen = x.sum()
+        mv.s_in.synchronize()
+        assert seen.item() == k * x.numel()
+    for k in range(1, 4):  # and compute, after join, what the store stream wrote
+        with mv._on(mv.s_out):
+            torch.cuda._sleep(50_000_000)
+            x.fill_(-k)
+        mv.join()
+        assert x.sum().item() == -k * x.numel()
+    with mv.timing("time_compute_s"):
+        x.add_(1)
+    mv.settle()
+    spare = {id(e) for e in mv._spare}
+    assert len(spare) == 2
+    before = mv.traffic.time_compute_s
+    with mv.timing("time_compute_s"):
+        torch.cuda._sleep(10_000_000)
+    mv.settle()
+    assert {id(e) for e in mv._spare} == spare and mv.traffic.time_compute_s > before

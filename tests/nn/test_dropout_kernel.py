@@ -136,3 +136,24 @@ def test_triton_tiles_match_cpu_kernel_at_any_width(width):
     ref = torch.zeros(700, width)
     ref[at] = (x[x_at] * mask[:500]).mul_(1 / (1 - p))
     assert torch.equal(out.cpu(), ref)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_relu_dropout_grad_is_autograds(p, training, device):
+    """The gradient of relu_dropout without a graph equals autograd's bit for bit,
+    at NaN and signed zeros too (ReLU's backward passes a NaN's gradient)."""
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(200, 37, generator=gen, dtype=dtype)
+    x[0, :4] = torch.tensor([float("nan"), -0.0, 0.0, 1e-30])
+    x = x.to(device).requires_grad_()
+    ids = torch.randint(0, 2**34, (200,), generator=gen).to(device)
+    g = torch.randn(200, 37, generator=gen, dtype=dtype).to(device)
+    (want,) = torch.autograd.grad(ops.relu_dropout(x, ids, p, 77, training), x, g)
+    got = ops.relu_dropout_grad(g, x.detach(), ids, p, 77, training)
+    assert torch.equal(got, want)
+    assert (got == 0).any()
+    if p == 0.0 or not training:
+        assert got[0, 0] == g[0, 0]

@@ -502,3 +502,107 @@ def test_transform_first_needs_the_next_seed():
     block = full_block()
     with pytest.raises(ValueError, match="next_seed"):
         model.step_forward(0, block, features(), None, 5)
+
+
+# ------------------------------------------- update backward written out
+def _grads(model: GNN) -> list:
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("keep_dropped", [True, False])
+@pytest.mark.parametrize("transform_first", [True, False])
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_update_backward_equals_autograd(keep_dropped, transform_first, training, bias,
+                                         device):
+    """GCN's update written out (linear, ReLU, the next layer's dropout when it
+    keeps its rows dropped, its linear map when it transforms first) gives
+    autograd's parameter and input gradients bit for bit, the parameters'
+    added to those already there; on a GPU through the fused dropout kernel."""
+    torch.manual_seed(0)
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    layers = [GCN(F_IN, 16, bias=bias), GCN(16, 16, bias=bias), GCN(16, F_OUT, bias=bias)]
+    model = GNN(layers, dropout=0.5, keep_dropped=keep_dropped,
+                transform_first=transform_first).to(device, dtype).train(training)
+    assert model.transforms_first(2) == transform_first
+    seeds = [5, 6, 7, None]
+    for l in (0, 1):
+        x = features(model.row_widths()[l]).to(device, dtype)
+        for block in [full_block()] + chunk_blocks():
+            block = block.to(device)
+            with torch.no_grad():
+                a = model.step_aggregate(l, block, x[block.src_ids.to(device)], seeds[l])
+            g = torch.randn(a.shape[0], model.row_widths()[l + 1], dtype=dtype, device=device)
+            model.zero_grad(set_to_none=True)
+            a_ref = a.clone().requires_grad_()
+            model.step_update(l, block, a_ref, None, seeds[l], seeds[l + 1]).backward(g)
+            want = _grads(model)
+            model.zero_grad(set_to_none=True)
+            done, g_a = model.update_backward(l, block, a, g, seeds[l + 1], need_input=True)
+            assert done and torch.equal(g_a, a_ref.grad)
+            got = _grads(model)
+            assert sum(v is not None for v in got) == (2 if bias else 1) + \
+                (l == 1 and transform_first)
+            for w, v in zip(want, got):
+                assert (w is None and v is None) or torch.equal(w, v)
+            assert model.update_backward(l, block, a, g, seeds[l + 1]) == (True, None)
+            for w, v in zip(want, _grads(model)):  # accumulated
+                assert (w is None and v is None) or torch.equal(v, 2 * w)
+    x = torch.zeros(3, F_IN, dtype=dtype, device=device)
+    if keep_dropped or transform_first:
+        with pytest.raises(ValueError, match="next_seed"):
+            model.update_backward(1, full_block().to(device), x, x[:, :1], None)
+
+
+class _ScaledGCN(GCN):
+    """Changes ``update`` alone: GCN's ``linear_update`` no longer describes it."""
+
+    def update(self, a, x_dst):
+        return 2.0 * super().update(a, x_dst)
+
+
+class _ScaledTransformGCN(GCN):
+    """Changes ``update`` and ``transform`` alike, not ``linear_update``."""
+
+    def update(self, a, x_dst):
+        return self.finish(self.transform(a))
+
+    def transform(self, x):
+        return 2.0 * self.lin(x)
+
+
+def test_update_backward_declines_what_it_does_not_know():
+    """Other updates, the last layer, ELU, a next layer transforming first by a
+    map it does not declare, and parameters with hooks: ``(False, None)``, no
+    gradient touched."""
+    torch.manual_seed(0)
+    block = full_block()
+
+    def declines(model: GNN, l: int = 0) -> bool:
+        model = model.double()
+        model.zero_grad(set_to_none=True)
+        a = torch.randn(N, model.layers[l].in_channels, dtype=torch.float64)
+        g = torch.randn(N, model.row_widths()[l + 1], dtype=torch.float64)
+        done = model.update_backward(l, block, a, g, 9, need_input=True)
+        return done == (False, None) and all(p.grad is None for p in model.parameters())
+
+    assert _ScaledGCN(F_IN, 16).linear_params is None
+    assert GCN(F_IN, 16).linear_params is not None
+    assert SAGE(F_IN, 16).linear_params is None
+    conv = GCN(16, 4)
+    assert conv.linear_transform is conv.lin.weight
+    assert _ScaledTransformGCN(16, 4).linear_transform is None
+    assert _ScaledTransformGCN(16, 4).can_transform_first
+    assert declines(GNN([_ScaledGCN(F_IN, 16), GCN(16, F_OUT)], dropout=0.5))
+    assert declines(GNN([SAGE(F_IN, 16), SAGE(16, F_OUT)], dropout=0.5))
+    assert declines(GNN([GCN(F_IN, 16), GCN(16, F_OUT)], dropout=0.5), l=1)  # the last layer
+    assert declines(GNN([GCN(F_IN, 16), GCN(16, F_OUT)], dropout=0.5, activation="elu"))
+    assert declines(GNN([GCN(F_IN, 16), _ScaledTransformGCN(16, F_OUT)], dropout=0.5,
+                        transform_first=True))
+    hooked = GNN([GCN(F_IN, 16), GCN(16, F_OUT)], dropout=0.5)
+    hooked.layers[0].lin.weight.register_hook(lambda g: g)
+    assert declines(hooked)
+    plain = GNN([GCN(F_IN, 16), GCN(16, F_OUT)], dropout=0.5).double()
+    assert plain.update_backward(0, block, torch.randn(N, F_IN, dtype=torch.float64),
+                                 torch.randn(N, 16, dtype=torch.float64), 9)[0]
