@@ -1501,10 +1501,8 @@ class Executor:
             rows = mv.take(ticket)
             with mv.timing("time_compute_s"):
                 g = gbuf.index_select(0, slots[a:b])
-                at = _Rows(ids[a:b] + self.chunks.row0)
-                if not model.update_backward(0, at, rows, g, nxt)[0]:
-                    with torch.enable_grad():
-                        _backward(model.step_update(0, at, rows, None, seed, nxt), g)
+                _update_backward(model, 0, _Rows(ids[a:b] + self.chunks.row0), rows, None, g,
+                                 seed, nxt, need_in=False)
             if mv.overlap:  # (the gather after next may overwrite these rows then)
                 done = torch.cuda.Event()
                 done.record(mv.compute)
@@ -1550,12 +1548,7 @@ class Executor:
         a = mv.take(agg) if self.cached[l] else None
         with mv.timing("time_compute_s"), torch.enable_grad():
             if a is not None:
-                done, g_a = model.update_backward(l, block, a, g_out, nxt, need_in) \
-                    if x_dst is None else (False, None)
-                if not done:
-                    a = a.detach().requires_grad_(need_in)
-                    _backward(model.step_update(l, block, a, x_dst, seed, nxt), g_out)
-                    g_a = a.grad
+                g_a = _update_backward(model, l, block, a, x_dst, g_out, seed, nxt, need_in)
                 g_src = (model.step_aggregate_transpose(l, block, g_a, seed)
                          if need_in and g_a is not None else None)
             else:
@@ -1657,6 +1650,22 @@ class _Rows:
 
     def dst_ids(self, device: torch.device | None = None) -> Tensor:
         return self.ids if device is None else self.ids.to(device)
+
+
+def _update_backward(model: GNN, l: int, block, a: Tensor, x_dst: Tensor | None, grad: Tensor,
+                     seed: int, nxt: int, need_in: bool) -> Tensor | None:
+    """The backward of layer ``l``'s update at its aggregate ``a`` (and own rows
+    ``x_dst``) for ``grad``: its products written out where the model may
+    (:meth:`GNN.update_backward`), else through autograd; ``∇a`` with
+    ``need_in``, else ``None``."""
+    if x_dst is None:
+        done, g_a = model.update_backward(l, block, a, grad, nxt, need_in)
+        if done:
+            return g_a
+    a = a.detach().requires_grad_(need_in)
+    with torch.enable_grad():
+        _backward(model.step_update(l, block, a, x_dst, seed, nxt), grad)
+    return a.grad
 
 
 def _backward(out: Tensor, grad: Tensor) -> None:

@@ -240,8 +240,9 @@ class GNN(nn.Module):
         if (lin is None or layer.needs_dst or self.transforms_first(l)
                 or l == self.num_layers - 1 or self.activation != "relu"):
             return False, None
-        after = self.layers[l + 1].linear_transform if self.transforms_first(l + 1) else None
-        if self.transforms_first(l + 1) and after is None:
+        first = self.transforms_first(l + 1)
+        after = self.layers[l + 1].linear_transform if first else None
+        if first and after is None:
             return False, None
         params = [t for t in (*lin, after) if t is not None and t.requires_grad]
         if any(t._backward_hooks or getattr(t, "_post_accumulate_grad_hooks", None)
