@@ -40,6 +40,12 @@ bound with the two directions at the rate the link carries them at once,
 measured in the same run (``xLBboth``; also in the JSON: pass by pass, each
 pass's larger direction summed), and the
 preprocessing time (partition + plan + reorg + setup) against 100 epochs.
+On a GPU each hongtu run also records what PyTorch's caching allocator
+reserved at its peak (``reserved_peak_bytes``, the steady epochs; what
+``nvidia-smi`` shows beside the CUDA context) and how often it had to free
+its cache to allocate (``alloc_retries``). ``--cap`` limits the allocator to
+each hongtu run's budget (``torch.cuda.set_per_process_memory_fraction``), as
+on a GPU of that size: a run that cannot fit fails as out of memory.
 
 Run (GPU machine), one workload per command::
 
@@ -149,23 +155,49 @@ def hongtu_run(key: str, mcfg: dict, system: str, budget: int | None, args, peak
         "output": {"dir": str(Path(args.workdir) / "run")},
     })
     print(f"--- {system}", flush=True)
+    cuda = torch.cuda.is_available()
+    cap = budget if (getattr(args, "cap", False) and cuda and budget and name != "resident") \
+        else None
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_accumulated_memory_stats()
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total) if cap else 1.0)
+    try:
+        return _hongtu_epochs(cfg, args, peak, cap)
+    finally:
+        if cuda:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def _hongtu_epochs(cfg, args, peak, cap: int | None) -> dict:
+    cuda = torch.cuda.is_available()
+
+    def allocator() -> dict:
+        return {"allocator_cap_bytes": cap,
+                "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0)
+                if cuda else None}
+
     try:
         tr = Trainer(cfg, overwrite=True, out=lambda s: print(s, flush=True))
     except Exception as exc:  # a system that cannot run is a result, not a crash
-        return {"status": f"{type(exc).__name__}: {exc}"}
+        return {"status": f"{type(exc).__name__}: {exc}", **allocator()}
     print("setup: " + ", ".join(f"{k[:-2]} {v:.2f} s" for k, v in
                                 {**tr.setup_times, **tr.other_split}.items()), flush=True)
     passes = _time_passes(tr.executor)
-    recs = []
+    recs, reserved = [], []
     try:
         for e in range(args.epochs):
             recs.append(tr.run_epoch(e, evaluate=False))  # the training step, as PyG's
             r = recs[-1]
+            # (run_epoch resets the peaks at its start)
+            reserved.append(torch.cuda.max_memory_reserved() if cuda else None)
             print(f"epoch {e}: {r['epoch_s']:.3f} s, loss {r['loss']:.4f}, "
                   f"h2d {format_size(r['h2d_bytes'])}, d2h {format_size(r['d2h_bytes'])}, "
-                  f"peak {format_size(r['peak_device_bytes'])}", flush=True)
+                  f"peak {format_size(r['peak_device_bytes'])}"
+                  + (f", reserved {format_size(reserved[-1])}" if cuda else ""), flush=True)
     except torch.cuda.OutOfMemoryError as exc:
-        return {"status": f"OOM: {str(exc).splitlines()[0]}"}
+        return {"status": f"OOM: {str(exc).splitlines()[0]}", **allocator()}
     passes = _read_passes(passes)
     steady = recs[args.warmup:] or recs
     med = steady_median([r["epoch_s"] for r in recs], args.warmup)
@@ -179,6 +211,8 @@ def hongtu_run(key: str, mcfg: dict, system: str, budget: int | None, args, peak
            "epoch_s": [r["epoch_s"] for r in recs], "median_epoch_s": med,
            "loss": [r["loss"] for r in recs],
            "peak_device_bytes": max(r["peak_device_bytes"] for r in steady),
+           "reserved_peak_bytes": max(reserved[args.warmup:] or reserved) if cuda else None,
+           **allocator(),
            **{k: last[k] for k in last
               if k.endswith(("_bytes", "_rows")) and k != "peak_device_bytes"},
            "time_split_s": {k: statistics.median(r[k] for r in steady)
@@ -338,6 +372,9 @@ def main() -> int:
                     help="out-of-core budget (bytes or e.g. 4.5GiB) instead of --fraction of "
                          "the in-memory need: to run hongtu systems at the budget of an "
                          "earlier run without running PyG again")
+    ap.add_argument("--cap", action="store_true",
+                    help="limit PyTorch's allocator to each hongtu run's budget, as on a GPU "
+                         "of that size (out of core only; a run needing more fails as OOM)")
     ap.add_argument("--workdir", default="/tmp/hongtu_suite")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
