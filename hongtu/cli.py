@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -309,12 +310,36 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         if args.debug:
             raise
-        who = f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-        print(f"hongtu: error: {who}{e}", file=sys.stderr)
+        print(f"hongtu: error: {_rank()}{e}", file=sys.stderr)
         return e.exit_code
+    except Exception as e:
+        line = _out_of_memory(e, args.command)
+        if line is None or args.debug:
+            raise
+        print(f"hongtu: error: {_rank()}{line}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("hongtu: interrupted", file=sys.stderr)
         return 130
+
+
+def _rank() -> str:
+    """``rank R: `` in a run of several processes, else nothing."""
+    return f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+
+
+def _out_of_memory(e: BaseException, command: str) -> str | None:
+    """The one line for a GPU out of memory (``None`` for any other error)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(e, torch.cuda.OutOfMemoryError):
+        return None
+    m = re.search(r"Tried to allocate ([\d.]+ \w+)", str(e))
+    line = (f"out of GPU memory{f' (tried to allocate {m.group(1)})' if m else ''}: lower "
+            "engine.device_memory to leave PyTorch's allocator room beside the budget on this "
+            "GPU, or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before starting")
+    if command == "train":
+        line += "; add --resume to continue from the last checkpoint"
+    return line
 
 
 if __name__ == "__main__":

@@ -190,6 +190,31 @@ def test_truncated_pt(capsys, tmp_path, env):
 
 
 # ---------------------------------------------------------------- resources
+def test_out_of_gpu_memory_is_one_line(capsys, env, monkeypatch):
+    """A GPU out of memory (PyTorch's error, raised here by a stand-in for
+    training) stops with one line saying what to change; other errors still
+    surface as they are."""
+    out, base = env
+
+    def oom(args):
+        raise torch.cuda.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 494.00 MiB. GPU 0 has a total capacity of "
+            "79.18 GiB of which 74.26 GiB is free. 4.37 GiB allowed; Of the allocated memory "
+            "3.56 GiB is allocated by PyTorch")
+
+    monkeypatch.setitem(cli._COMMANDS, "train", oom)
+    err = fails(capsys, out, "out of GPU memory (tried to allocate 494.00 MiB): lower "
+                "engine.device_memory", "train", CONFIG, *base)
+    assert "expandable_segments:True" in err and "--resume" in err
+
+    def broken(args):
+        raise RuntimeError("not a memory problem")
+
+    monkeypatch.setitem(cli._COMMANDS, "train", broken)
+    with pytest.raises(RuntimeError, match="not a memory problem"):
+        cli.main(["train", CONFIG, *base])
+
+
 def test_device_memory_too_small_for_any_chunking(capsys, env):
     out, base = env
     fails(capsys, out, "engine.device_memory=1.00 KiB is too small: even", "train", CONFIG,

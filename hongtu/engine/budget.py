@@ -32,7 +32,8 @@ from hongtu.nn.model import GNN
 from hongtu.partition import Chunker, Partition
 from hongtu.partition._kernels import distinct_sources
 
-__all__ = ["CHUNK_CANDIDATES", "ChunkSizes", "Chunkings", "choose_chunks", "chunk_sizes",
+__all__ = ["CHUNK_CANDIDATES", "ChunkSizes", "Chunkings", "check_device_budget", "choose_chunks",
+           "chunk_sizes",
            "estimate_device_bytes", "first_layer_stores", "first_layer_whole_faster",
            "grown_row_memory", "leftover_bytes", "resident_block_bytes",
            "row_memory", "slot_widths", "spare_rows", "whole_layer_needs"]
@@ -282,6 +283,15 @@ def estimate_device_bytes(model: GNN, sizes: ChunkSizes, itemsize: int = 4,
                           for a, b, c in zip(src, dst, e)], dtype=np.int64)
         peak = max(peak, int((block + act + extra).max()))
     return int(fixed + _SLACK * peak)
+
+
+def check_device_budget(budget: int, free: int, total: int, device: str) -> None:
+    """Stop with one line when ``engine.device_memory`` asks for more than the GPU
+    ``device`` has free (``free`` of ``total`` bytes)."""
+    if budget > free:
+        raise UserError(f"engine.device_memory={format_size(budget)} is more than {device} has "
+                        f"free ({format_size(free)} of {format_size(total)}); set it to at most "
+                        f"{format_size(free)}, or to auto (90% of the free memory)")
 
 
 def resident_block_bytes(sizes: ChunkSizes, itemsize: int = 4) -> int:

@@ -29,6 +29,7 @@ from hongtu.config import Config, format_size, parse_size
 from hongtu.dedup import neighbour_sets
 from hongtu.engine.budget import (
     Chunkings,
+    check_device_budget,
     choose_chunks,
     estimate_device_bytes,
     grown_row_memory,
@@ -343,7 +344,14 @@ class Trainer:
     def _budget(self) -> int | None:
         dm = self.cfg.engine.device_memory
         if dm != "auto":
-            return parse_size(dm)
+            budget = parse_size(dm)
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                # (what this process's allocator holds unused is free to it too)
+                cached = torch.cuda.memory_reserved(self.device) \
+                    - torch.cuda.memory_allocated(self.device)
+                check_device_budget(budget, free + cached, total, str(self.device))
+            return budget
         if self.device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(self.device)
             return int(free * 0.9)

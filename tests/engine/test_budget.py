@@ -9,6 +9,7 @@ from hongtu.dedup import neighbour_sets
 from hongtu.engine.budget import (
     CHUNK_CANDIDATES,
     Chunkings,
+    check_device_budget,
     choose_chunks,
     chunk_sizes,
     estimate_device_bytes,
@@ -373,3 +374,13 @@ def test_layers_reading_own_rows_count_their_gradient():
             + int(sizes.num_edges.max())
         assert (0 < with_it - without <= budget._SLACK * 4 * most) == counted
         assert (with_it == without) == (not counted)
+
+
+def test_a_budget_above_the_gpus_free_memory_is_one_clear_line():
+    """engine.device_memory above what the GPU has free stops before training, with
+    the most it may be; up to the free memory it passes."""
+    check_device_budget(8 << 30, 8 << 30, 80 << 30, "cuda:0")
+    with pytest.raises(UserError, match=r"^engine\.device_memory=9\.00 GiB is more than cuda:0 "
+                       r"has free \(8\.00 GiB of 80\.00 GiB\); set it to at most 8\.00 GiB, "
+                       r"or to auto"):
+        check_device_budget(9 << 30, 8 << 30, 80 << 30, "cuda:0")
