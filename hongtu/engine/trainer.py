@@ -343,19 +343,16 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def _budget(self) -> int | None:
         dm = self.cfg.engine.device_memory
-        if dm != "auto":
-            budget = parse_size(dm)
-            if self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-                # (what this process's allocator holds unused is free to it too)
-                cached = torch.cuda.memory_reserved(self.device) \
-                    - torch.cuda.memory_allocated(self.device)
-                check_device_budget(budget, free + cached, total, str(self.device))
+        budget = None if dm == "auto" else parse_size(dm)
+        if self.device.type != "cuda":
             return budget
-        if self.device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        if budget is None:
             return int(free * 0.9)
-        return None
+        # (what this process's allocator holds unused is free to it too)
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        check_device_budget(budget, free + cached, total, str(self.device))
+        return budget
 
     def _resident(self, graph: Graph, assignment: np.ndarray, parts: int, plan: BufferPlan,
                   itemsize: int) -> tuple[bool, int | None, int | None]:
