@@ -241,7 +241,8 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
         return estimate_device_bytes(
             ctx["model"], sizes, ctx["itemsize"], num_nodes=graph.num_nodes,
             buffer_rows=max(p.buffer_rows for p in devs), overlap=e.overlap,
-            load_rows=max(p.max_later_load for p in devs), copied_dst=ctx["copied_dst"])
+            load_rows=max(p.max_later_load for p in devs), copied_dst=ctx["copied_dst"],
+            device="cuda" if ctx["gpu"] else "cpu")
 
     once = reads_rows_once(ctx["model"], ctx["checkpoint"])
 
@@ -313,10 +314,11 @@ def _costs(plan: TransferPlan, traffic: dict, tp: dict) -> dict:
 
 
 def _budget_and_chunks(cfg: Config, graph: Graph, assignment: np.ndarray, m: int, model,
-                       notes: list[str], copied_dst: list[bool] | None = None
-                       ) -> tuple[int | None, int, str]:
+                       notes: list[str], copied_dst: list[bool] | None = None,
+                       gpu: bool = False) -> tuple[int | None, int, str]:
     """``(budget, n, how n was chosen)``, as the trainer chooses (8 chunks without a
-    budget; ``copied_dst``: :func:`~hongtu.engine.executor.own_rows_copied`)."""
+    budget; ``copied_dst``: :func:`~hongtu.engine.executor.own_rows_copied`; ``gpu``:
+    training runs on a GPU)."""
     import torch
 
     from hongtu.engine.budget import choose_chunks
@@ -340,7 +342,7 @@ def _budget_and_chunks(cfg: Config, graph: Graph, assignment: np.ndarray, m: int
                      "engine.device_memory to the target GPU's memory to choose as training will")
         return None, n, "auto without a budget"
     n, _ = choose_chunks(graph, assignment, m, model, budget, 4, overlap=e.overlap,
-                         copied_dst=copied_dst)
+                         copied_dst=copied_dst, device="cuda" if gpu else "cpu")
     return budget, n, f"auto: fewest that fit {format_size(budget)}"
 
 
@@ -395,7 +397,13 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     # (as training: chunks read their own rows among their sources with self-loops;
     # out of core on a GPU, layers reading them then recompute under checkpoint auto)
     own_read = own_rows_read(e, model, graph)
-    gpu = e.accelerator != "cpu" and torch.cuda.is_available()
+    # Plan for the device training will use: engine.accelerator=cuda is a GPU run
+    # even where this machine has none (a laptop planning for a server); auto is
+    # this machine's.
+    gpu = e.accelerator == "cuda" or (e.accelerator == "auto" and torch.cuda.is_available())
+    if gpu and not torch.cuda.is_available():
+        notes.append("engine.accelerator=cuda on a machine without CUDA: planned as a GPU "
+                     "run, with the GPU's fused kernels (Triton, as torch's CUDA builds ship)")
     checkpoint = resolved_checkpoint(e.checkpoint, own_read and gpu)
     cached = model.cached_layers(checkpoint)
     stored = model.stored_aggregates(checkpoint)
@@ -414,12 +422,12 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     assignment = assign_parts(graph, m, method=e.partitioner, seed=cfg.train.seed,
                               cache_dir=e.cache_dir)
     budget, n, chunks_how = _budget_and_chunks(cfg, graph, assignment, m, model, notes,
-                                               copied)
+                                               copied, gpu)
     ctx = {"engine": e, "seed": cfg.train.seed, "throughput": tp, "devices": e.devices,
            "row_bytes": itemsize * max(widths), "model": model, "itemsize": itemsize,
            "budget": budget, "copied_dst": copied, "checkpoint": checkpoint,
            # (as training decides where loads and stores overlap: a GPU with overlap)
-           "overlapped": e.overlap and gpu}
+           "overlapped": e.overlap and gpu, "gpu": gpu}
     main = _plan_chunks(graph, assignment, m, n, ctx)
     t["plan_s"] = time.perf_counter() - t0
 

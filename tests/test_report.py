@@ -411,3 +411,34 @@ def test_throughput_config_is_validated(key, value, phrase):
     cfg = load_config(None, [f"engine.throughput.{key}=12.5"])
     assert getattr(cfg.engine.throughput, key) == 12.5
     assert load_config(None).engine.throughput.reuse == "auto"
+
+
+def test_a_report_for_a_gpu_made_without_one_plans_the_gpu_run(tmp_path, monkeypatch):
+    """``engine.accelerator=cuda`` on a machine without CUDA (a laptop planning for
+    a server) plans the GPU's run, as the report made on the GPU machine does:
+    the chunk count its estimate picks, the first layer's backward on layer 1's
+    flushes and rows written in load order; not the CPU's run."""
+    import torch
+
+    from hongtu.nn import ops
+
+    def report(*extra):
+        cfg = load_config(CONFIG, base(tmp_path, "engine.chunks=auto", "engine.parts=1",
+                                       "model.layers=3", "engine.device_memory=75MiB",
+                                       "engine.resident=false", "engine.whole_layers=false",
+                                       *extra))
+        return build_report(cfg, parts_list=[], chunks_list=[]).data
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(ops, "_triton", lambda kind="dropout": None)  # torch's CPU build
+    laptop = report("engine.accelerator=cuda")
+    cpu = report("engine.accelerator=cpu")
+    assert any("planned as a GPU run" in n for n in laptop["notes"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the GPU machine
+    monkeypatch.setattr(ops, "_triton", lambda kind="dropout": object())
+    server = report("engine.accelerator=cuda")
+    for key in ("engine", "transfers", "memory", "cost"):
+        assert laptop[key] == server[key], key
+    assert laptop["engine"]["chunks"] < cpu["engine"]["chunks"]  # no dropout masks
+    layer1 = laptop["transfers"]["layers"][1]
+    assert layer1["flush_bytes"] == 0 < cpu["transfers"]["layers"][1]["flush_bytes"]

@@ -224,7 +224,8 @@ def estimate_device_bytes(model: GNN, sizes: ChunkSizes, itemsize: int = 4,
                           training: bool = True, num_nodes: int = 0,
                           buffer_rows: int | None = None, overlap: bool = True,
                           load_rows: int | None = None, resident: bool = False,
-                          copied_dst: list[bool] | None = None) -> int:
+                          copied_dst: list[bool] | None = None,
+                          device: str | None = None) -> int:
     """Estimated peak device bytes of training ``model`` chunk by chunk.
 
     Args:
@@ -243,7 +244,19 @@ def estimate_device_bytes(model: GNN, sizes: ChunkSizes, itemsize: int = 4,
             destination rows need no staging.
         copied_dst: the layers whose passes copy their own rows from host memory
             (default: those that read them; :func:`slot_widths`).
+        device: the device type training runs on (``"cuda"``, ``"cpu"``), whose
+            kernels decide which temporaries exist (a GPU's fused dropout makes
+            no mask: :func:`~hongtu.nn.ops.planning_for`); ``None``: this
+            machine's.
     """
+    with ops.planning_for(device):
+        return _estimate(model, sizes, itemsize, training, num_nodes, buffer_rows, overlap,
+                         load_rows, resident, copied_dst)
+
+
+def _estimate(model: GNN, sizes: ChunkSizes, itemsize: int, training: bool, num_nodes: int,
+              buffer_rows: int | None, overlap: bool, load_rows: int | None, resident: bool,
+              copied_dst: list[bool] | None) -> int:
     widths, true = model.row_widths(), model.widths()
     max_src, max_dst = int(sizes.num_src.max()), int(sizes.num_dst.max())
     rows = max_src if buffer_rows is None else int(buffer_rows)
@@ -409,7 +422,7 @@ def choose_chunks(graph: Graph, assignment: np.ndarray, num_parts: int, model: G
 
     ``chunkings`` keeps the chunkings tried for the caller (one is made when
     ``None``); ``estimate`` holds further arguments of
-    :func:`estimate_device_bytes` (``overlap``, ``resident``). The estimate
+    :func:`estimate_device_bytes` (``overlap``, ``resident``, ``device``). The estimate
     must not fall as a chunk's sources grow (true of every built-in layer).
 
     Returns:

@@ -184,7 +184,7 @@ class Trainer:
         if chunks is None and e.chunks == "auto":
             chunks, _ = choose_chunks(graph, assignment, parts, self.model, self.room, itemsize,
                                       chunkings=self._chunkings, overlap=e.overlap,
-                                      copied_dst=copied)
+                                      copied_dst=copied, device=self.device.type)
         elif chunks is None:
             chunks = e.chunks
         part, sizes = self._chunkings.get(chunks)  # (a part too small for them: UserError)
@@ -195,7 +195,8 @@ class Trainer:
         partition_s = time.perf_counter() - t_part
         self.estimate = estimate_device_bytes(self.model, sizes, itemsize,
                                               num_nodes=graph.num_nodes, overlap=e.overlap,
-                                              resident=self.resident, copied_dst=copied)
+                                              resident=self.resident, copied_dst=copied,
+                                              device=self.device.type)
         if self.room is not None and self.estimate > self.room:
             raise UserError(f"engine.chunks={chunks} needs about {format_size(self.estimate)} "
                             f"on the device but engine.device_memory is "
@@ -217,7 +218,7 @@ class Trainer:
             return estimate_device_bytes(
                 self.model, sizes, itemsize, num_nodes=b - a, buffer_rows=dplan.buffer_rows,
                 overlap=e.overlap, load_rows=dplan.max_later_load, resident=self.resident,
-                copied_dst=copied)
+                copied_dst=copied, device=self.device.type)
 
         blocks = resident_block_bytes(sizes, itemsize)
         if neighbours is None:  # (their sizes are the sources the count was chosen by)
@@ -376,12 +377,14 @@ class Trainer:
                 if e.chunks == "auto":
                     chunks, _ = choose_chunks(graph, assignment, parts, self.model, room,
                                               itemsize, chunkings=self._chunkings,
-                                              overlap=e.overlap, resident=True)
+                                              overlap=e.overlap, resident=True,
+                                              device=self.device.type)
                     return True, room, chunks
                 _, sizes = self._chunkings.get(e.chunks)
                 est = estimate_device_bytes(self.model, sizes,
                                             itemsize, num_nodes=graph.num_nodes,
-                                            overlap=e.overlap, resident=True)
+                                            overlap=e.overlap, resident=True,
+                                            device=self.device.type)
                 if est <= room:
                     return True, room, e.chunks
             except UserError:

@@ -13,6 +13,8 @@ engine recomputes it in backward.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib
 import math
@@ -30,7 +32,7 @@ __all__ = [
     "edge_weights", "fused_edge_weights", "spmm",
     "gather_src", "gather_dst", "scatter_dst", "edge_softmax", "dropout", "dropout_into",
     "dropout_mask", "relu_dropout", "relu_dropout_grad",
-    "fused_edge_dots", "fused_dropout", "linear",
+    "fused_edge_dots", "fused_dropout", "linear", "planning_for",
 ]
 
 BUILTIN_AGGREGATIONS = ("sum", "mean", "gcn")
@@ -101,19 +103,54 @@ class _SpMM(torch.autograd.Function):
         return gx, gv, None
 
 
+#: The device type a memory estimate plans for (:func:`planning_for`); ``None``:
+#: this machine's kernels.
+_PLANNED: contextvars.ContextVar[str | None] = contextvars.ContextVar("hongtu_planned",
+                                                                      default=None)
+
+
+@contextlib.contextmanager
+def planning_for(device_type: str | None):
+    """Within the block, :func:`fused_dropout` and :func:`fused_edge_dots` (asked
+    without a tensor, as device-memory estimates ask) answer for ``device_type``
+    (``"cuda"`` or ``"cpu"``) instead of this machine: on a CPU the fused kernels
+    never run, and a GPU that this machine does not have (``hongtu report``
+    planning for a server) is taken to run them, as Triton ships with torch's
+    CUDA builds. ``None`` leaves the question to this machine."""
+    if device_type is None:
+        yield
+        return
+    token = _PLANNED.set(device_type)
+    try:
+        yield
+    finally:
+        _PLANNED.reset(token)
+
+
+def _fused(kind: str) -> bool:
+    planned = _PLANNED.get()
+    if planned == "cpu":
+        return False
+    if planned == "cuda" and not torch.cuda.is_available():
+        return True
+    return _triton(kind) is not None
+
+
 def fused_dropout(x: Tensor | None = None) -> bool:
     """Whether :func:`dropout` on a GPU (float32) is one Triton kernel each way
     (its output is the only tensor it makes: no mask, no masked temporary);
-    with ``x``, whether dropout of ``x`` is (float32 on a GPU)."""
-    if x is not None and not (x.is_cuda and x.dtype == torch.float32):
-        return False
-    return _triton() is not None
+    with ``x``, whether dropout of ``x`` is (float32 on a GPU). Without ``x``,
+    for the device an estimate plans for (:func:`planning_for`)."""
+    if x is not None:
+        return x.is_cuda and x.dtype == torch.float32 and _triton() is not None
+    return _fused("dropout")
 
 
 def fused_edge_dots() -> bool:
     """Whether :func:`spmm`'s gradient in its edge weights runs as one GPU kernel
-    (Triton importable) instead of two ``(E, width)`` gathers and a product."""
-    return _triton("sddmm") is not None
+    (Triton importable) instead of two ``(E, width)`` gathers and a product (for
+    the device an estimate plans for: :func:`planning_for`)."""
+    return _fused("sddmm")
 
 
 def spmm(block: Block, x: Tensor, values: Tensor) -> Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from hongtu.dedup import neighbour_sets
 from hongtu.engine.budget import (
@@ -27,6 +28,7 @@ from hongtu.engine.executor import (
 )
 from hongtu.errors import UserError
 from hongtu.graph._kernels import RunBitmaps
+from hongtu.nn import ops
 from hongtu.partition import chunk_partition
 from tests.cases import CASES
 from tests.engine.test_oracle import make_model
@@ -384,3 +386,37 @@ def test_a_budget_above_the_gpus_free_memory_is_one_clear_line():
                        r"has free \(8\.00 GiB of 80\.00 GiB\); set it to at most 8\.00 GiB, "
                        r"or to auto"):
         check_device_budget(9 << 30, 8 << 30, 80 << 30, "cuda:0")
+
+
+@pytest.mark.parametrize("layer", ["gcn", "gat"])
+def test_an_estimate_plans_for_the_device_that_trains(layer, monkeypatch):
+    """Which temporaries a step makes depends on the kernels of the device that
+    trains, not on the machine that plans: a GPU's fused dropout makes no mask
+    and GAT's fused edge gradient no ``(E, width)`` gathers; a CPU makes both.
+    ``hongtu report`` on a laptop planning for a GPU (no CUDA there) estimates
+    as the GPU machine does, and a CPU run counts masks where Triton imports."""
+    graph = CASES["skewed"](seed=0)
+    model = make_model(layer)
+    assignment = np.zeros(graph.num_nodes, dtype=np.int64)
+
+    def need(device):
+        return _need(graph, assignment, model, 4, device=device)
+
+    def machine(cuda: bool, triton: bool):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        monkeypatch.setattr(ops, "_triton", lambda kind="dropout": object() if triton else None)
+
+    machine(cuda=True, triton=True)  # a GPU machine training on its GPU
+    gpu = need("cuda")
+    assert need(None) == gpu  # (its own kernels)
+    cpu = need("cpu")
+    assert gpu < cpu  # no dropout mask (GAT: nor the edge gathers) on the GPU
+    n_gpu, _ = choose_chunks(graph, assignment, 1, model, gpu, device="cuda")
+    machine(cuda=False, triton=False)  # a laptop with torch's CPU build
+    assert need("cuda") == gpu  # hongtu report planning for the GPU
+    assert choose_chunks(graph, assignment, 1, model, gpu, device="cuda")[0] == n_gpu
+    assert need("cpu") == need(None) == cpu
+    machine(cuda=False, triton=True)  # Triton installed, training on the CPU
+    assert need("cpu") == cpu
+    machine(cuda=True, triton=False)  # a GPU without Triton runs the unfused path
+    assert need("cuda") == cpu
