@@ -21,6 +21,7 @@ import math
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -33,6 +34,9 @@ from hongtu.graph import Graph
 from hongtu.partition import Partition, assign_parts, chunk_partition
 from hongtu.partition._kernels import count_cut_edges, distinct_sources
 from hongtu.reorg import cost, reorganize_report
+
+if TYPE_CHECKING:
+    from hongtu.engine.budget import ChunkSizes
 
 __all__ = ["PARTS_LIST", "Report", "build_report", "dump_plan", "format_report",
            "parse_counts", "plot_report"]
@@ -95,7 +99,7 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
              index: tuple[int, int] = (0, 0), held: int = 0,
              early: list[bool] | None = None, first: tuple[int, int] = (0, 0),
              own: list[bool] | None = None, own_forward: list[bool] | None = None,
-             into_first: bool = False) -> dict:
+             into_first: bool = False, blocks: list[tuple[int, int]] | None = None) -> dict:
     """Bytes of one training step (forward, loss, backward) as the executor moves them.
 
     ``cached[l]``: layer ``l``'s backward reads no rows, ``stored[l]``: its
@@ -124,12 +128,15 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
     1's backward runs the first layer's on its gradient flushes
     (:func:`~hongtu.engine.executor.first_backward_in_flushes`): no flush of
     ``∇h^1`` goes to host memory and no first-layer pass reads it back with
-    ``a^0``; the flushed rows' ``a^0`` is gathered instead.
+    ``a^0``; the flushed rows' ``a^0`` is gathered instead. ``blocks[l]``: the
+    bytes of the chunks' blocks layer ``l``'s forward and backward passes copy
+    (:func:`_block_bytes`; none where they stay on the device).
     """
     n = num_nodes
     ordered = list(ordered or []) + [False] * (len(widths) - len(ordered or []))
     early = list(early or []) + [False] * (len(widths) - len(early or []))
     whole, kept, rows_kept = hand.whole, hand.kept, hand.rows_at is not None
+    blocks = blocks or [(0, 0)] * (len(widths) - 1)
     layers = []
     for l in range(len(widths) - 1):
         row, out = widths[l] * itemsize, widths[l + 1] * itemsize
@@ -164,18 +171,20 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
                 0 if kept[l + 1] or (l == 0 and into_first) else n * out),
             # where rows written in first-load order go and come from
             "index_h2d_bytes": index[0] * ordered[l + 1] + index[1] * ordered[l],
+            # the chunks' blocks (graph structure), forward and backward
+            "block_h2d_bytes": blocks[l][0] + blocks[l][1],
             # h^{l+1}[V] (∇h^L for the last layer), ∇h^l[V] of the own rows
             # (added on the device when the layer's gradients stay there whole,
             # or at the rows' slots with ``own``)
             "range_d2h_bytes": (0 if l == len(widths) - 2 and kept[-1] else made)
             + (dst if l > 0 and not all_rows and not own else 0),
-            "evaluation_bytes": loads + dst_fwd + n * out,
+            "evaluation_bytes": loads + dst_fwd + n * out + blocks[l][0],
         })
     t = {k: sum(x[k] for x in layers) for k in layers[0] if k.endswith("_bytes")}
     t.pop("row_bytes")
     t["neighbour_bytes"] = t["forward_bytes"] + t["backward_reload_bytes"] + t["flush_bytes"]
     t["h2d_bytes"] = (t["forward_bytes"] + t["backward_reload_bytes"] + t["aggregate_h2d_bytes"]
-                      + t["range_h2d_bytes"] + t["index_h2d_bytes"])
+                      + t["range_h2d_bytes"] + t["index_h2d_bytes"] + t["block_h2d_bytes"])
     t["d2h_bytes"] = t["flush_bytes"] + t["aggregate_d2h_bytes"] + t["range_d2h_bytes"]
     t["contiguous_bytes"] = t["h2d_bytes"] + t["d2h_bytes"] - t["neighbour_bytes"]
     return {"layers": layers, "epoch": t}
@@ -203,6 +212,36 @@ class _Setting:
     row_elements: int
     #: training writes rows in first-load order (:func:`~hongtu.engine.executor.ordered_rows_room`)
     ordered: bool = False
+    #: the chunks' sizes, and whether their blocks stay on the device (else each
+    #: pass copies them: :func:`_block_bytes`)
+    sizes: ChunkSizes | None = None
+    blocks_fit: bool = True
+
+
+def _block_bytes(model, s: _Setting, cached: list[bool], num_nodes: int, itemsize: int,
+                 into_first: bool) -> list[tuple[int, int]] | None:
+    """Per layer, the bytes of the chunks' blocks its forward and its backward pass
+    copy to the device (as the executor fetches them: a forward pass without the
+    transpose unless the layer reads it, a cached layer's backward without the
+    forward edges, none for a cached first layer reading no own rows or one run
+    on layer 1's flushes); ``None`` where the blocks stay on the device."""
+    from hongtu.engine.transfer import block_copy_bytes
+    from hongtu.nn.block import Block
+
+    if s.blocks_fit:
+        return None
+    sz = s.sizes
+
+    def total(skip) -> int:
+        return sum(block_copy_bytes(int(a), int(b), int(c), skip, num_nodes, itemsize)
+                   for a, b, c in zip(sz.num_src, sz.num_dst, sz.num_edges))
+
+    out = []
+    for l, layer in enumerate(model.layers):
+        fwd = total(() if layer.reads_transpose else Block.TRANSPOSE)
+        none = l == 0 and (into_first or (cached[0] and not layer.needs_dst))
+        out.append((fwd, 0 if none else total(Block.NOT_TRANSPOSED if cached[l] else ())))
+    return out
 
 
 def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict,
@@ -266,7 +305,8 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
                                     * ctx["itemsize"])
     need += index_bytes or 0
     plan_rows = row_memory(first.buffer_rows, widths, first.max_later_load if e.overlap else 0)
-    left, _ = leftover_bytes(ctx["budget"], need, resident_block_bytes(sizes, ctx["itemsize"]))
+    left, blocks_fit = leftover_bytes(ctx["budget"], need,
+                                      resident_block_bytes(sizes, ctx["itemsize"]))
     left = left if e.whole_layers else None
     first_rows, first_stores = first_layer_rows(
         first, widths, ctx["model"].cached_layers(ctx["checkpoint"]), ctx["overlapped"])
@@ -275,7 +315,7 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
                             keep_rows=len(once) > 1 and once[1], first_rows=first_rows,
                             first_stores=first_stores)
     return _Setting(part, plan, name, candidates, need + (rows - plan_rows) * ctx["itemsize"],
-                    rows, index_bytes is not None)
+                    rows, index_bytes is not None, sizes, blocks_fit)
 
 
 def _alternatives(n: int, smallest: int, chosen_list: list[int] | None) -> list[int]:
@@ -448,9 +488,11 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         first = tuple(map(sum, zip(*map(first_step_rows, plan.plans)))) if any(early) \
             else (0, 0)
         fwd = own_rows_forward(model, hand.whole, own_read)
+        # (blocks are copied pass by pass on a GPU where they do not stay there)
+        blocks = _block_bytes(model, s, cached, n, itemsize, into) if gpu else None
         return _traffic(widths, cached, stored, needs_dst, itemsize, n, plan.h2d_rows,
                         plan.d2h_rows, hand, ordered, sum(counts), index, held, early, first,
-                        own, fwd, into)
+                        own, fwd, into, blocks)
 
     t0 = time.perf_counter()
     memory = []
@@ -574,21 +616,23 @@ def _transfer_section(d: dict) -> list[str]:
         lines.append(f"  the budget left after the plan keeps {p['cached_rows']:,} reused rows "
                      "on the device across batches (engine.dedup.cache)")
     rows = [("layer", "width", "cached", "rows", "forward", "bwd reload", "grad flush",
-             "aggregates", "ranges", "C / pass", "passes")]
+             "aggregates", "ranges", "blocks", "C / pass", "passes")]
     for x, cl, ps in zip(t["layers"], c["per_layer_pass_s"], c["passes"]):
         rows.append((str(x["layer"]), str(x["width"]), "yes" if x["cached"] else "no",
                      "all" if x["whole"] else "plan",
                      fs(x["forward_bytes"]), fs(x["backward_reload_bytes"]), fs(x["flush_bytes"]),
                      fs(x["aggregate_d2h_bytes"] + x["aggregate_h2d_bytes"]),
-                     fs(x["range_h2d_bytes"] + x["range_d2h_bytes"]), _ms(cl), str(ps)))
-    lines += _table(rows, right=set(range(1, 11)) - {2, 3})
+                     fs(x["range_h2d_bytes"] + x["range_d2h_bytes"]), fs(x["block_h2d_bytes"]),
+                     _ms(cl), str(ps)))
+    lines += _table(rows, right=set(range(1, 12)) - {2, 3})
     ep = t["epoch"]
     return lines + [
         f"  epoch: neighbour rows {fs(ep['neighbour_bytes'])} (forward {fs(ep['forward_bytes'])}"
         f" + backward reloads {fs(ep['backward_reload_bytes'])} + gradient flushes "
         f"{fs(ep['flush_bytes'])}); cached aggregates "
-        f"{fs(ep['aggregate_d2h_bytes'] + ep['aggregate_h2d_bytes'])} and contiguous ranges "
-        f"{fs(ep['range_h2d_bytes'] + ep['range_d2h_bytes'])} besides",
+        f"{fs(ep['aggregate_d2h_bytes'] + ep['aggregate_h2d_bytes'])}, contiguous ranges "
+        f"{fs(ep['range_h2d_bytes'] + ep['range_d2h_bytes'])} and chunk blocks "
+        f"{fs(ep['block_h2d_bytes'])} besides",
         f"  epoch totals: host->device {fs(ep['h2d_bytes'])}, device->host "
         f"{fs(ep['d2h_bytes'])}; an evaluation pass adds {fs(ep['evaluation_bytes'])}",
         f"  cost C (Eq. 4) per epoch {_ms(c['epoch_s'])} + contiguous {_ms(c['contiguous_s'])} "

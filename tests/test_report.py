@@ -146,10 +146,17 @@ def test_alpha_skips_part_counts_above_half_the_vertices(tmp_path):
     pytest.param(["engine.accelerator=cuda", "engine.resident=false",
                   "engine.whole_layers=false", "engine.ordered_inputs=false", "model.layers=3"],
                  marks=pytest.mark.gpu),
+    # (a budget the blocks do not fit beside the plan: each pass copies them)
+    pytest.param(["engine.accelerator=cuda", "engine.resident=false",
+                  "engine.whole_layers=false", "engine.ordered_inputs=false",
+                  "engine.device_memory=70.6MiB"], marks=pytest.mark.gpu),
+    pytest.param(["engine.accelerator=cuda", "engine.resident=false",
+                  "engine.ordered_inputs=false", "model.layers=3", "engine.device_memory=71MiB"],
+                 marks=pytest.mark.gpu),
 ], ids=["gcn-cached", "sage-no-reuse", "gat-recomputed", "gat-no-p2p", "gcn-whole", "gcn3-whole",
         "gcn-plan-rows", "sage3-plan-rows", "gcn3-last-rows", "gcn3-last-rows-plan",
         "sage-whole", "sage-no-p2p", "gin-recomputed",
-        "gpu-ordered-rows", "gpu3-ordered-rows"])
+        "gpu-ordered-rows", "gpu3-ordered-rows", "gpu-blocks-copied", "gpu3-blocks-copied"])
 def test_predicted_bytes_equal_what_the_engine_moves(tmp_path, extra):
 
     cfg = load_config(CONFIG, base(tmp_path, f"output.dir={tmp_path / 'run'}", *extra))
@@ -169,8 +176,14 @@ def test_predicted_bytes_equal_what_the_engine_moves(tmp_path, extra):
     if any(x in extra for x in ("model.layer=gat", "model.layer=sage", "model.layer=gin")):
         # (own rows among the sources: self-loops, p2p)
         assert (trainer.executor._own_at is not None) == ("engine.dedup.p2p=false" not in extra)
-    # (on a GPU the training forward writes later layers' rows in load order)
-    assert bool(trainer.executor.ordered_rows) == ("engine.accelerator=cuda" in extra)
+    # (on a GPU the training forward writes later layers' rows in load order,
+    # where the budget leaves room for their index arrays)
+    budget = any(x.startswith("engine.device_memory") for x in extra)
+    if not budget:
+        assert bool(trainer.executor.ordered_rows) == ("engine.accelerator=cuda" in extra)
+    # (chunk blocks copied pass by pass where they do not stay on the device)
+    assert (epoch["block_h2d_bytes"] > 0) == (not trainer.blocks_fit)
+    assert trainer.blocks_fit == (not budget)
     step = trainer.run_epoch(0, evaluate=False)
     assert (step["h2d_bytes"], step["d2h_bytes"]) == (epoch["h2d_bytes"], epoch["d2h_bytes"])
     both = trainer.run_epoch(1, evaluate=True)

@@ -56,7 +56,8 @@ from torch import Tensor
 
 from hongtu.engine.pinned import device_view, is_device_view, pinned_copies, pinned_tensor
 
-__all__ = ["IndexRing", "Mover", "Ticket", "Traffic", "add_rows", "copy_rows"]
+__all__ = ["IndexRing", "Mover", "Ticket", "Traffic", "add_rows", "block_copy_bytes",
+           "copy_rows"]
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -229,10 +230,13 @@ _RUN_GAP = 128
 
 def _block_runs(block, skip: tuple[str, ...]) -> list[tuple[Tensor, list[tuple[str, int, int]]]]:
     """What :meth:`Mover.fetch_block` copies for ``block`` without ``skip``: host
-    spans, each one run of same-dtype 1-D tensors side by side in one storage,
-    with every tensor's ``(name, start, stop)`` in its span."""
-    items = sorted(((getattr(block, n), n) for n in block.tensor_names() if n not in skip),
-                   key=lambda x: (x[0].untyped_storage().data_ptr(), x[0].storage_offset()))
+    spans, each one run of same-dtype 1-D tensors side by side in one storage
+    (in byte order), with every tensor's ``(name, start, stop)`` in its span.
+    Empty tensors are in no run: nothing of them travels."""
+    items = sorted(((getattr(block, n), n) for n in block.tensor_names()
+                    if n not in skip and getattr(block, n).numel()),
+                   key=lambda x: (x[0].untyped_storage().data_ptr(),
+                                  x[0].storage_offset() * x[0].element_size()))
     runs: list[list] = []
     for t, n in items:
         if runs:
@@ -255,6 +259,39 @@ def _block_runs(block, skip: tuple[str, ...]) -> list[tuple[Tensor, list[tuple[s
         out.append((span, [(n, t.storage_offset() - lo, t.storage_offset() - lo + t.numel())
                            for t, n in run]))
     return out
+
+
+def block_copy_bytes(num_src: int, num_dst: int, num_edges: int, skip: tuple[str, ...] = (),
+                     num_nodes: int = 0, itemsize: int = 4) -> int:
+    """Host bytes :meth:`Mover.fetch_block` moves for a block of these sizes without
+    ``skip``, laid out as :func:`pin_blocks` lays out the executor's blocks (index
+    arrays narrowed to int32 where their values fit, as ``executor._narrow``
+    does; degrees ``itemsize`` wide; ``num_nodes``: the global ids' range), and
+    copied as :func:`_block_runs` groups them: what ``hongtu report`` counts
+    for a chunk's block without building it."""
+    numel = {"indices": num_edges, "indptr": num_dst + 1, "src_ids": num_src,
+             "t_indptr": num_src + 1, "t_indices": num_edges, "t_perm": num_edges,
+             "src_in_deg": num_src, "dst_in_deg": num_dst}
+    layout, at = [], 0
+    for name in BLOCK_LAYOUT:
+        degree = name.endswith("_deg")
+        # (values: local positions and edge counts, global ids for src_ids; an
+        # empty array stays int64 and travels in no run)
+        fits = (num_nodes if name == "src_ids" else num_edges) < 2**31 and numel[name]
+        size = itemsize if degree else (4 if fits else 8)
+        kind = ("float", size) if degree else ("int", size)
+        layout.append((name, at, numel[name] * size, kind))
+        at += -(-numel[name] * size // 128) * 128
+    total, run = 0, None  # run: (start, end, kind) in bytes
+    for name, start, nbytes, kind in layout:
+        if name in skip or not nbytes:
+            continue
+        if run is not None and kind == run[2] and 0 <= start - run[1] <= _RUN_GAP:
+            run = (run[0], start + nbytes, kind)
+            continue
+        total += 0 if run is None else run[1] - run[0]
+        run = (start, start + nbytes, kind)
+    return total + (0 if run is None else run[1] - run[0])
 
 
 class Mover:
@@ -679,6 +716,11 @@ class Mover:
                     narrow.append((d, parts))
                 else:
                     out.update((name, d if a is None else d[a:b]) for name, a, b in parts)
+        for name in block.tensor_names():  # (empty ones: made on the device)
+            t = getattr(block, name)
+            if name not in skip and not t.numel():
+                out[name] = torch.empty(t.shape, device=self.device,
+                                        dtype=torch.int64 if t.dtype == torch.int32 else t.dtype)
         ready = self._ready_event(self.s_in)
         if narrow:
             if ready is not None:

@@ -8,7 +8,14 @@ import torch
 
 from hongtu.engine.executor import _narrow
 from hongtu.engine.pinned import slab_copies
-from hongtu.engine.transfer import BLOCK_LAYOUT, Mover, _block_runs, add_rows, pin_blocks
+from hongtu.engine.transfer import (
+    BLOCK_LAYOUT,
+    Mover,
+    _block_runs,
+    add_rows,
+    block_copy_bytes,
+    pin_blocks,
+)
 from hongtu.nn.block import Block
 
 
@@ -93,6 +100,33 @@ def test_pinned_blocks_put_each_pass_arrays_side_by_side():
     runs = _block_runs(blocks[0], Block.TRANSPOSE)
     assert sorted(n for _, parts in runs for n, a, _ in parts if a is None) == \
         sorted(n for n in blocks[0].tensor_names() if n not in Block.TRANSPOSE)
+
+
+@pytest.mark.parametrize("case", ["skewed", "isolated"])
+def test_block_copy_bytes_are_what_fetch_block_moves(case):
+    """The bytes ``hongtu report`` counts for a chunk's block from its sizes alone
+    equal what the executor's pinned layout copies for every pass's arrays,
+    with chunks' sizes as the planner counts them (one chunk without edges)."""
+    from hongtu.engine.budget import chunk_sizes
+    from hongtu.engine.chunks import ChunkSet
+    from tests.cases import CASES
+
+    graph = CASES[case](seed=0)
+    n = graph.num_nodes
+    no_edges = np.flatnonzero(np.diff(graph.indptr) == 0)
+    ptr = np.unique(np.concatenate([[0, n], np.linspace(0, n, 6).astype(np.int64),
+                                    no_edges[:1], no_edges[:1] + 1]))
+    blocks = ChunkSet.build(graph, ptr, 1, len(ptr) - 1).blocks
+    sizes = chunk_sizes(graph, np.arange(n), ptr)
+    assert any(b.num_edges == 0 for b in blocks) == (case == "isolated")
+    pinned = pin_blocks(blocks, _narrow, copies=_slab)
+    for c, (b, p) in enumerate(zip(blocks, pinned)):
+        assert (b.num_src, b.num_dst, b.num_edges) == (
+            sizes.num_src[c], sizes.num_dst[c], sizes.num_edges[c])
+        for skip in ((), Block.TRANSPOSE, Block.NOT_TRANSPOSED, ("indices",), ("t_indptr",)):
+            moved = sum(span.nbytes for span, _ in _block_runs(p, skip))
+            assert block_copy_bytes(b.num_src, b.num_dst, b.num_edges, skip, n,
+                                    p.src_in_deg.element_size()) == moved, (c, skip)
 
 
 @pytest.mark.gpu
