@@ -287,9 +287,8 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
 
     def cache_rows(needs) -> int:
         # As training does: the budget the plan leaves keeps reused rows resident.
-        extra, _ = spare_rows(ctx["budget"], need_of(needs),
-                              resident_block_bytes(sizes, ctx["itemsize"]),
-                              max(ctx["model"].row_widths()), ctx["itemsize"])
+        extra = spare_rows(ctx["budget"], need_of(needs), max(ctx["model"].row_widths()),
+                           ctx["itemsize"])
         return extra if e.dedup.cache else 0
 
     plan = plan_transfers(g.indptr, g.indices, part.chunk_ptr, m, n, order=order,

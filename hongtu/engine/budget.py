@@ -313,18 +313,24 @@ def resident_block_bytes(sizes: ChunkSizes, itemsize: int = 4) -> int:
     return int((e * (3 * 8 + itemsize + 8) + (src + dst) * (8 + itemsize) + src * 8).sum())
 
 
-def spare_rows(room: int | None, need: int, blocks: int, row_width: int,
-               itemsize: int = 4) -> tuple[int, bool]:
-    """What the budget left after a plan buys: ``(rows to keep resident, blocks fit)``.
+def spare_rows(room: int | None, need: int, row_width: int, itemsize: int = 4) -> int:
+    """Rows the budget left after a plan's ``need`` keeps resident across batches:
+    each costs a slot of the row buffer and of its gradient twin (``row_width``
+    elements each). No budget: none.
 
-    Chunk blocks stay on the device first, when all of them fit next to the
-    plan's ``need``; each kept row then costs a slot of the row buffer and of
-    its gradient twin (``row_width`` elements each). No budget: nothing kept.
+    Kept rows come before the chunk blocks, which stay on the device only in
+    what the plan with its kept rows leaves (:func:`leftover_bytes`). A kept
+    row saves a load of its row in each pass that reads it again; a block kept
+    saves a copy of its index arrays, a few bytes per edge per pass. R-MAT
+    2^22 GCN 3×256 at 40 chunks on an H200: blocks first kept 213,049 rows
+    and moved 23.2 GiB host→device per epoch in 0.595 s, rows first 1.89M
+    rows, 13.98 GiB, 0.402 s. Where the blocks fit beside every row worth
+    keeping, they stay as before.
     """
-    spare, blocks_fit = leftover_bytes(room, need, blocks)
+    spare, _ = leftover_bytes(room, need, 0)
     if spare is None:
-        return 0, True
-    return max(0, int(spare) // (2 * int(row_width) * int(itemsize))), blocks_fit
+        return 0
+    return max(0, int(spare) // (2 * int(row_width) * int(itemsize)))
 
 
 def leftover_bytes(room: int | None, need: int, blocks: int) -> tuple[int | None, bool]:

@@ -227,8 +227,8 @@ class Trainer:
 
         def cache_rows(needs) -> int:
             """Rows the budget left after the plan keeps resident across batches."""
-            extra, _ = spare_rows(self.room, estimate(needs[rank]), blocks,
-                                  max(self.model.row_widths()), itemsize)
+            extra = spare_rows(self.room, estimate(needs[rank]), max(self.model.row_widths()),
+                               itemsize)
             extra = extra if e.dedup.cache and not self.resident else 0
             return self.comm.min_int(extra) if self.comm else extra  # one plan for all ranks
 
@@ -248,7 +248,7 @@ class Trainer:
             and not self.resident, leftover_bytes(self.room, self.estimate, blocks)[0],
             most, most * slot_widths(self.model, stored)["grad"] * itemsize)
         self.estimate += index_bytes or 0
-        # (Kept rows only take what the blocks leave, when the blocks fit.) What
+        # (The blocks stay on the device in what the plan and its kept rows leave.) What
         # the budget still leaves may let a layer's rows move whole.
         left, self.blocks_fit = leftover_bytes(self.room, self.estimate, blocks)
         left = None if self.resident or not e.whole_layers else left
