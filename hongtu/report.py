@@ -216,6 +216,9 @@ class _Setting:
     #: pass copies them: :func:`_block_bytes`)
     sizes: ChunkSizes | None = None
     blocks_fit: bool = True
+    #: the estimate before the plan (a chunk's whole neighbour set in the
+    #: transition buffer), which training checks a chunk count against first
+    need_unplanned: int = 0
 
 
 def _block_bytes(model, s: _Setting, cached: list[bool], num_nodes: int, itemsize: int,
@@ -313,8 +316,12 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
                             int(first.load_ids.shape[0]), ctx["devices"] > 1, ctx["itemsize"],
                             keep_rows=len(once) > 1 and once[1], first_rows=first_rows,
                             first_stores=first_stores)
+    unplanned = estimate_device_bytes(ctx["model"], sizes, ctx["itemsize"],
+                                      num_nodes=graph.num_nodes, overlap=e.overlap,
+                                      copied_dst=ctx["copied_dst"],
+                                      device="cuda" if ctx["gpu"] else "cpu")
     return _Setting(part, plan, name, candidates, need + (rows - plan_rows) * ctx["itemsize"],
-                    rows, index_bytes is not None, sizes, blocks_fit)
+                    rows, index_bytes is not None, sizes, blocks_fit, unplanned)
 
 
 def _alternatives(n: int, smallest: int, chosen_list: list[int] | None) -> list[int]:
@@ -500,7 +507,9 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         s = main if k == n else _plan_chunks(graph, assignment, m, k, ctx, compare=False)
         tr = traffic_of(s)
         memory.append({"chunks": k, "device_bytes": s.device_bytes,
-                       "fits": None if budget is None else s.device_bytes <= budget,
+                       # (as training: the count's estimate before the plan, then with it)
+                       "fits": None if budget is None
+                       else max(s.need_unplanned, s.device_bytes) <= budget,
                        "buffer_rows": max(p.buffer_rows for p in s.plan.plans),
                        "v_ru_norm": s.plan.v_ru / max(graph.num_nodes, 1), "order": s.order_name,
                        "neighbour_bytes": tr["epoch"]["neighbour_bytes"],

@@ -13,7 +13,7 @@ import pytest
 
 from hongtu import cli
 from hongtu.calibrate import resolve_throughput
-from hongtu.config import load_config
+from hongtu.config import load_config, parse_size
 from hongtu.dedup import TransferPlan, plan_transfers
 from hongtu.dedup.sets import identity_order
 from hongtu.engine.budget import row_memory
@@ -455,3 +455,22 @@ def test_a_report_for_a_gpu_made_without_one_plans_the_gpu_run(tmp_path, monkeyp
     assert laptop["engine"]["chunks"] < cpu["engine"]["chunks"]  # no dropout masks
     layer1 = laptop["transfers"]["layers"][1]
     assert layer1["flush_bytes"] == 0 < cpu["transfers"]["layers"][1]["flush_bytes"]
+
+
+@pytest.mark.parametrize("layers, mib, trains", [
+    ("2", "71.3MiB", False), ("2", "71.35MiB", True), ("3", "71.5MiB", False),
+    ("3", "71.6MiB", True)])
+def test_a_count_fits_where_training_takes_it(tmp_path, layers, mib, trains):
+    """The report's ``fits`` is training's test: a chunk count whose estimate
+    before the plan (a chunk's whole neighbour set buffered) exceeds the budget
+    is refused, although the plan's smaller buffer would fit it."""
+    cfg = load_config(CONFIG, base(tmp_path, f"output.dir={tmp_path / 'run'}",
+                                   f"engine.device_memory={mib}", f"model.layers={layers}"))
+    row = build_report(cfg, parts_list=[], chunks_list=[]).data["memory"]["rows"][0]
+    assert row["device_bytes"] <= parse_size(mib)  # (the planned estimate fits either way)
+    assert row["fits"] == trains
+    if trains:
+        Trainer(cfg, out=lambda _: None)
+    else:
+        with pytest.raises(UserError, match=r"engine\.chunks=4 needs about"):
+            Trainer(cfg, out=lambda _: None)
