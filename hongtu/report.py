@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, replace
@@ -235,6 +236,7 @@ def _block_bytes(model, s: _Setting, cached: list[bool], num_nodes: int, itemsiz
         return None
     sz = s.sizes
 
+    @functools.cache  # (per skip: most layers' passes copy the same arrays)
     def total(skip) -> int:
         return sum(block_copy_bytes(int(a), int(b), int(c), skip, num_nodes, itemsize)
                    for a, b, c in zip(sz.num_src, sz.num_dst, sz.num_edges))
@@ -284,7 +286,7 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
             ctx["model"], sizes, ctx["itemsize"], num_nodes=graph.num_nodes,
             buffer_rows=max(p.buffer_rows for p in devs), overlap=e.overlap,
             load_rows=max(p.max_later_load for p in devs), copied_dst=ctx["copied_dst"],
-            device="cuda" if ctx["gpu"] else "cpu")
+            device=ctx["device"])
 
     once = reads_rows_once(ctx["model"], ctx["checkpoint"])
 
@@ -301,14 +303,14 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
     need, first, widths = need_of(plan.plans), plan.plans[0], ctx["model"].row_widths()
     most = int(sizes.num_dst.max())
     # (as training decides: rows written in first-load order where their index arrays fit)
-    spare = leftover_bytes(ctx["budget"], need, resident_block_bytes(sizes, ctx["itemsize"]))[0]
+    blocks = resident_block_bytes(sizes, ctx["itemsize"])
+    spare = leftover_bytes(ctx["budget"], need, blocks)[0]
     index_bytes = ordered_rows_room(first, once, e.ordered_rows and ctx["overlapped"], spare,
                                     most, most * slot_widths(ctx["model"])["grad"]
                                     * ctx["itemsize"])
     need += index_bytes or 0
     plan_rows = row_memory(first.buffer_rows, widths, first.max_later_load if e.overlap else 0)
-    left, blocks_fit = leftover_bytes(ctx["budget"], need,
-                                      resident_block_bytes(sizes, ctx["itemsize"]))
+    left, blocks_fit = leftover_bytes(ctx["budget"], need, blocks)
     left = left if e.whole_layers else None
     first_rows, first_stores = first_layer_rows(
         first, widths, ctx["model"].cached_layers(ctx["checkpoint"]), ctx["overlapped"])
@@ -318,8 +320,7 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
                             first_stores=first_stores)
     unplanned = estimate_device_bytes(ctx["model"], sizes, ctx["itemsize"],
                                       num_nodes=graph.num_nodes, overlap=e.overlap,
-                                      copied_dst=ctx["copied_dst"],
-                                      device="cuda" if ctx["gpu"] else "cpu")
+                                      copied_dst=ctx["copied_dst"], device=ctx["device"])
     return _Setting(part, plan, name, candidates, need + (rows - plan_rows) * ctx["itemsize"],
                     rows, index_bytes is not None, sizes, blocks_fit, unplanned)
 
@@ -473,7 +474,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
            "row_bytes": itemsize * max(widths), "model": model, "itemsize": itemsize,
            "budget": budget, "copied_dst": copied, "checkpoint": checkpoint,
            # (as training decides where loads and stores overlap: a GPU with overlap)
-           "overlapped": e.overlap and gpu, "gpu": gpu}
+           "overlapped": e.overlap and gpu, "device": "cuda" if gpu else "cpu"}
     main = _plan_chunks(graph, assignment, m, n, ctx)
     t["plan_s"] = time.perf_counter() - t0
 

@@ -716,11 +716,10 @@ class Mover:
                     narrow.append((d, parts))
                 else:
                     out.update((name, d if a is None else d[a:b]) for name, a, b in parts)
-        for name in block.tensor_names():  # (empty ones: made on the device)
+        for name in self._block_copies(block, skip)[1]:  # (empty ones: made on the device)
             t = getattr(block, name)
-            if name not in skip and not t.numel():
-                out[name] = torch.empty(t.shape, device=self.device,
-                                        dtype=torch.int64 if t.dtype == torch.int32 else t.dtype)
+            out[name] = torch.empty(t.shape, device=self.device,
+                                    dtype=torch.int64 if t.dtype == torch.int32 else t.dtype)
         ready = self._ready_event(self.s_in)
         if narrow:
             if ready is not None:
@@ -736,10 +735,17 @@ class Mover:
         return Ticket(block.replace_tensors(out), ready)
 
     def _block_runs(self, block, skip: tuple[str, ...]) -> list:
+        return self._block_copies(block, skip)[0]
+
+    def _block_copies(self, block, skip: tuple[str, ...]) -> tuple[list, list[str]]:
+        """:func:`_block_runs` of ``block`` without ``skip``, and the names of its
+        empty tensors (in no run), worked out once per block and skip."""
         key = (id(block), tuple(skip))
         if key not in self._runs:
-            self._runs[key] = (block, _block_runs(block, skip))  # (keeps the id's block)
-        return self._runs[key][1]
+            empty = [n for n in block.tensor_names()
+                     if n not in skip and not getattr(block, n).numel()]
+            self._runs[key] = (block, _block_runs(block, skip), empty)  # (keeps the id's block)
+        return self._runs[key][1:]
 
     def block_bytes(self, block, skip: tuple[str, ...] = ()) -> int:
         """Host bytes :meth:`fetch_block` moves for ``block`` without ``skip``: its

@@ -264,12 +264,13 @@ class GNN(nn.Module):
                 grad = grad.mm(after)
             gz = ops.relu_dropout_grad(grad, z, ids, p, seed, self.training)
             del z, grad  # (no more than autograd's backward holds at once)
-            # (as ops.linear's backward: the bias's gradient one matrix-vector product)
-            if weight.requires_grad:
-                _accumulate(weight, gz.t().mm(a))
-            if bias is not None and bias.requires_grad:
-                _accumulate(bias, torch.mv(gz.t(), gz.new_ones(gz.shape[0])))
-            return True, gz.mm(weight) if need_input else None
+            ga, gw, gb = ops.linear_grads(gz, a, weight, need_input, weight.requires_grad,
+                                          bias is not None and bias.requires_grad)
+            if gw is not None:
+                _accumulate(weight, gw)
+            if gb is not None:
+                _accumulate(bias, gb)
+            return True, ga
 
     def drop_sources_into(self, l: int, x: Tensor, ids: Tensor, seed: int, out: Tensor,
                           at: Tensor, x_at: Tensor | None = None) -> None:

@@ -32,7 +32,7 @@ __all__ = [
     "edge_weights", "fused_edge_weights", "spmm",
     "gather_src", "gather_dst", "scatter_dst", "edge_softmax", "dropout", "dropout_into",
     "dropout_mask", "relu_dropout", "relu_dropout_grad",
-    "fused_edge_dots", "fused_dropout", "linear", "planning_for",
+    "fused_edge_dots", "fused_dropout", "linear", "linear_grads", "planning_for",
 ]
 
 BUILTIN_AGGREGATIONS = ("sum", "mean", "gcn")
@@ -463,10 +463,18 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, g: Tensor):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad
-        gx = g.mm(weight) if need_x else None
-        gw = g.t().mm(x) if need_w else None
-        gb = torch.mv(g.t(), g.new_ones(g.shape[0])) if ctx.bias and need_b else None
-        return gx, gw, gb
+        return linear_grads(g, x, weight, need_x, need_w, ctx.bias and need_b)
+
+
+def linear_grads(g: Tensor, x: Tensor, weight: Tensor, need_x: bool = True,
+                 need_weight: bool = True, need_bias: bool = False) -> tuple:
+    """``(∇x, ∇weight, ∇bias)`` of :func:`linear` ``(x, weight, bias)`` for ``g``,
+    its output's gradient (each ``None`` where not needed): the products its
+    backward takes, the bias's as one matrix-vector product with ones."""
+    gx = g.mm(weight) if need_x else None
+    gw = g.t().mm(x) if need_weight else None
+    gb = torch.mv(g.t(), g.new_ones(g.shape[0])) if need_bias else None
+    return gx, gw, gb
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
