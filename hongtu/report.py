@@ -39,12 +39,14 @@ from hongtu.reorg import cost, reorganize_report
 if TYPE_CHECKING:
     from hongtu.engine.budget import ChunkSizes
 
-__all__ = ["PARTS_LIST", "Report", "build_report", "dump_plan", "format_report",
-           "parse_counts", "plot_report"]
+__all__ = ["FASTEST_MARGIN", "PARTS_LIST", "Report", "build_report", "dump_plan",
+           "fastest_count", "format_report", "parse_counts", "plot_report"]
 
 #: Part counts of the replication table (HongTu Table 3).
 PARTS_LIST = (2, 4, 8, 16, 32, 64, 128, 256, 512)
 _CPU_CHUNKS = 8
+#: chunk counts whose lower bounds are this close count as equally fast
+FASTEST_MARGIN = 0.02
 _ORDER_LABELS = {"identity": "identity (no reorg)", "order": "order (phase 2)",
                  "group+order": "group+order (phases 1+2)"}
 
@@ -326,12 +328,14 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
 
 
 def _alternatives(n: int, smallest: int, chosen_list: list[int] | None) -> list[int]:
-    """Chunk counts to compare: ``n`` and the :data:`CHUNK_CANDIDATES` nearest n/4, n/2, 2n, 4n."""
+    """Chunk counts to compare: ``n``, the two :data:`CHUNK_CANDIDATES` above it
+    (where more chunks leave more of the budget for kept rows) and those nearest
+    n/4, n/2, 2n, 4n."""
     from hongtu.engine.budget import CHUNK_CANDIDATES
 
     if chosen_list is not None:
         return sorted({c for c in [*chosen_list, n] if c <= smallest})
-    out = {n}
+    out = {n, *[c for c in CHUNK_CANDIDATES if n < c <= smallest][:2]}
     for f in (0.25, 0.5, 2.0, 4.0):
         target = n * f
         if target < 1 or target > smallest:
@@ -340,6 +344,18 @@ def _alternatives(n: int, smallest: int, chosen_list: list[int] | None) -> list[
         if best <= smallest:
             out.add(best)
     return sorted(out)
+
+
+def fastest_count(rows: list[dict], margin: float = FASTEST_MARGIN) -> int | None:
+    """The chunk count predicted fastest among ``rows`` (the report's memory rows):
+    the fewest that fit whose transfer lower bound is within ``margin`` of the
+    lowest of those that fit (more chunks cost more steps, which the bound does
+    not count); ``None`` where none fits or there is no budget."""
+    fit = [r for r in rows if r["fits"]]
+    if not fit:
+        return None
+    low = min(r["lower_bound_s"] for r in fit)
+    return min(r["chunks"] for r in fit if r["lower_bound_s"] <= low * (1 + margin))
 
 
 def _costs(plan: TransferPlan, traffic: dict, tp: dict) -> dict:
@@ -368,15 +384,15 @@ def _budget_and_chunks(cfg: Config, graph: Graph, assignment: np.ndarray, m: int
     training runs on a GPU)."""
     import torch
 
-    from hongtu.engine.budget import choose_chunks
+    from hongtu.engine.budget import AUTO_BUDGET_FRACTION, choose_chunks
 
     e = cfg.engine
     smallest = int(np.bincount(assignment, minlength=m).min())
     budget = None if e.device_memory == "auto" else parse_size(e.device_memory)
     if budget is None and e.accelerator != "cpu" and torch.cuda.is_available():
-        budget = int(torch.cuda.mem_get_info()[0] * 0.9)
-        notes.append(f"engine.device_memory=auto: 90% of this GPU's free memory, "
-                     f"{format_size(budget)}")
+        budget = int(torch.cuda.mem_get_info()[0] * AUTO_BUDGET_FRACTION)
+        notes.append(f"engine.device_memory=auto: {AUTO_BUDGET_FRACTION:.0%} of this GPU's "
+                     f"free memory, {format_size(budget)}")
     if e.chunks != "auto":
         if e.chunks > smallest:
             raise UserError(f"engine.chunks={e.chunks} but the smallest part has only "
@@ -391,6 +407,36 @@ def _budget_and_chunks(cfg: Config, graph: Graph, assignment: np.ndarray, m: int
     n, _ = choose_chunks(graph, assignment, m, model, budget, 4, overlap=e.overlap,
                          copied_dst=copied_dst, device="cuda" if gpu else "cpu")
     return budget, n, f"auto: fewest that fit {format_size(budget)}"
+
+
+def _resident(cfg: Config, graph: Graph, assignment: np.ndarray, m: int, model, budget,
+              gpu: bool, notes: list[str]) -> dict | None:
+    """Would training keep every buffer on the GPU (``engine.resident``)? As the
+    trainer decides; ``None`` where it cannot tell (no GPU run, no budget, or
+    ``engine.resident: false``)."""
+    from hongtu.engine.budget import choose_resident
+    from hongtu.engine.buffers import BufferPlan
+
+    e = cfg.engine
+    if not gpu or budget is None or e.resident is False:
+        return None
+    # (each process holds its own part's rows; the largest part decides)
+    rows = graph.num_nodes if e.devices == 1 else int(np.bincount(assignment, minlength=m).max())
+    need = BufferPlan(rows, model.row_widths(), model.stored_aggregates(e.checkpoint),
+                      4).resident_bytes()
+    try:
+        yes, _, chunks = choose_resident(e.resident, budget, need, e.chunks, graph, assignment,
+                                         m, model, 4, overlap=e.overlap, device="cuda")
+    except UserError as err:
+        notes.append(f"training stops before its first epoch: {err}")
+        return {"resident": False, "buffers_bytes": need, "chunks": None}
+    if yes:
+        notes.append(f"resident: every buffer ({format_size(need)}) and the batches of "
+                     f"{chunks} chunk(s) fit the {format_size(budget)} budget, so training "
+                     "keeps them on the GPU and moves nothing over the host link "
+                     f"(engine.resident={str(e.resident).lower()}); the plan below is what "
+                     "engine.resident=false would move")
+    return {"resident": yes, "buffers_bytes": need, "chunks": chunks}
 
 
 def build_report(cfg: Config, parts_list: list[int] | None = None,
@@ -470,6 +516,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
                               cache_dir=e.cache_dir)
     budget, n, chunks_how = _budget_and_chunks(cfg, graph, assignment, m, model, notes,
                                                copied, gpu)
+    resident = _resident(cfg, graph, assignment, m, model, budget, gpu, notes)
     ctx = {"engine": e, "seed": cfg.train.seed, "throughput": tp, "devices": e.devices,
            "row_bytes": itemsize * max(widths), "model": model, "itemsize": itemsize,
            "budget": budget, "copied_dst": copied, "checkpoint": checkpoint,
@@ -527,7 +574,8 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         "engine": {"partitioner": e.partitioner, "parts": m, "chunks": n,
                    "chunks_how": chunks_how, "devices": e.devices, "reuse": e.dedup.reuse,
                    "p2p": e.dedup.p2p, "reorg": e.reorg, "checkpoint": e.checkpoint,
-                   "device_memory": budget, "smallest_part": smallest},
+                   "device_memory": budget, "smallest_part": smallest,
+                   "resident": resident},
         "throughput": {k: v / 1e9 for k, v in tp.items() if k != "source"}
                       | {"source": tp["source"]},
         "replication": alpha, "replication_skipped": skipped,
@@ -537,7 +585,8 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
                              if not k.endswith("_bytes")}},
         "transfers": traffic, "cost": _costs(main.plan, traffic, tp),
         "memory": {"budget": budget, "chunks": n, "rows": memory,
-                   "suggested_chunks": min(fitting) if fitting else None},
+                   "suggested_chunks": min(fitting) if fitting else None,
+                   "fastest_chunks": fastest_count(memory)},
         "notes": notes, "timings": t,
     }
     return Report(data, main.partition, main.plan)
@@ -667,6 +716,13 @@ def _memory_section(d: dict) -> list[str]:
         lines.append("  no budget: set engine.device_memory to mark which chunk counts fit")
     elif mem["suggested_chunks"] is not None:
         lines.append(f"  fewest chunks listed that fit: engine.chunks={mem['suggested_chunks']}")
+        fast = mem["fastest_chunks"]
+        if fast is not None and fast != mem["suggested_chunks"]:
+            bound = {r["chunks"]: r["lower_bound_s"] for r in mem["rows"]}
+            few = mem["suggested_chunks"]
+            lines.append(f"  predicted fastest: engine.chunks={fast} (lower bound "
+                         f"{_ms(bound[fast])}, {1 - bound[fast] / bound[few]:.0%} below "
+                         f"{few}'s); engine.chunks=auto takes the fewest that fit")
     else:
         lines.append("  none listed fits: try more chunks (--chunks-list) or raise "
                      "engine.device_memory")

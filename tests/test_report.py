@@ -242,7 +242,7 @@ def test_memory_table_marks_fit_and_the_chosen_count(tmp_path):
                                    "engine.dedup.cache=false", "engine.whole_layers=false"))
     d = build_report(cfg, parts_list=[]).data
     rows = {r["chunks"]: r for r in d["memory"]["rows"]}
-    assert set(rows) == {1, 2, 4, 8, 16}  # n = 4 and about n/4, n/2, 2n, 4n
+    assert set(rows) == {1, 2, 4, 6, 8, 16}  # n = 4, the two above, about n/4, n/2, 2n, 4n
     assert d["memory"]["budget"] == budget
     for r in rows.values():
         assert r["fits"] == (r["device_bytes"] <= budget)
@@ -474,3 +474,91 @@ def test_a_count_fits_where_training_takes_it(tmp_path, layers, mib, trains):
     else:
         with pytest.raises(UserError, match=r"engine\.chunks=4 needs about"):
             Trainer(cfg, out=lambda _: None)
+
+
+# ---------------------------------------------------------------- resident mode
+def gpu_report(tmp_path, *extra):
+    cfg = load_config(CONFIG, base(tmp_path, "engine.accelerator=cuda", "engine.parts=1",
+                                   "engine.chunks=auto", "model.layers=3",
+                                   f"output.dir={tmp_path / 'run'}", *extra))
+    return cfg, build_report(cfg, parts_list=[], chunks_list=[]).data
+
+
+def test_report_says_when_training_keeps_everything_on_the_gpu(tmp_path):
+    """With a budget that holds every buffer and a batch, GPU training goes
+    resident (``engine.resident: auto``): the report says so and with how many
+    chunks; below that edge, or with ``engine.resident: false``, it plans out of
+    core and says nothing; ``engine.resident: true`` that does not fit is the
+    line training would stop with."""
+    _, big = gpu_report(tmp_path, "engine.device_memory=70MiB")
+    res = big["engine"]["resident"]
+    assert res["resident"] and res["chunks"] == 96
+    assert res["buffers_bytes"] < parse_size("70MiB")
+    assert any(n.startswith("resident: every buffer") and "96 chunk(s)" in n
+               for n in big["notes"])
+    assert "resident: every buffer" in format_report(big)
+    _, small = gpu_report(tmp_path, "engine.device_memory=69MiB")
+    assert small["engine"]["resident"] == {**res, "resident": False, "chunks": None}
+    assert not any(n.startswith("resident") for n in small["notes"])
+    assert small["memory"]["suggested_chunks"] is not None  # (out of core it fits)
+    _, off = gpu_report(tmp_path, "engine.device_memory=70MiB", "engine.resident=false")
+    assert off["engine"]["resident"] is None
+    assert off["transfers"] == big["transfers"]  # (the plan shown is the out-of-core one)
+    _, forced = gpu_report(tmp_path, "engine.device_memory=69MiB", "engine.resident=true")
+    assert any("training stops before its first epoch: engine.resident=true" in n
+               for n in forced["notes"])
+    _, cpu = gpu_report(tmp_path, "engine.device_memory=70MiB", "engine.accelerator=cpu")
+    assert cpu["engine"]["resident"] is None  # (a CPU run is never resident)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mib", ["69MiB", "70MiB", "72MiB"])
+def test_report_resident_is_trainings(tmp_path, mib):
+    cfg, d = gpu_report(tmp_path, f"engine.device_memory={mib}")
+    trainer = Trainer(cfg, out=lambda _: None)
+    assert d["engine"]["resident"]["resident"] == trainer.resident
+    if trainer.resident:
+        assert d["engine"]["resident"]["chunks"] == trainer.partition.num_chunks
+
+
+# ---------------------------------------------------------------- chunk counts
+def row(chunks, bound, fits=True):
+    return {"chunks": chunks, "lower_bound_s": bound, "fits": fits}
+
+
+def test_fastest_count_is_the_fewest_near_the_lowest_bound():
+    from hongtu.report import fastest_count
+
+    # products-like GCN 3x256 at its suite budget (the report's bounds, ms):
+    # 28, 32, 40 and 48 chunks measured 0.256, 0.255, 0.256, 0.270 s; 24: 0.268 s
+    rows = [row(24, 433.44), row(28, 396.75), row(32, 381.21), row(40, 379.94),
+            row(48, 382.55)]
+    assert fastest_count(rows) == 32
+    assert fastest_count(rows, margin=0.0) == 40
+    # GCN 2x256: 16 measured fastest, 20's bound 0.1% lower
+    assert fastest_count([row(16, 104.98), row(20, 104.85), row(24, 105.52)]) == 16
+    # counts that do not fit are not candidates; none fitting gives None
+    assert fastest_count([row(8, 1.0, fits=False), row(16, 2.0)]) == 16
+    assert fastest_count([row(8, 1.0, fits=False)]) is None
+    assert fastest_count([row(8, 1.0, fits=None)]) is None  # (no budget)
+
+
+def test_report_names_the_predicted_fastest_count(tmp_path):
+    """The memory table lists the two counts above the chosen one; where one of
+    them is predicted faster by more than the margin, the text names it."""
+    from hongtu.report import fastest_count
+
+    cfg, _ = gpu_report(tmp_path, "engine.device_memory=72MiB", "engine.resident=false")
+    mem = build_report(cfg, parts_list=[]).data["memory"]
+    bound = {r["chunks"]: r["lower_bound_s"] for r in mem["rows"]}
+    assert mem["chunks"] == mem["suggested_chunks"] == 6
+    assert [c for c in bound if c > 6][:2] == [8, 12]
+    assert mem["fastest_chunks"] == fastest_count(mem["rows"]) == 8
+    assert bound[8] < bound[6] / 1.02
+    text = format_report(build_report(cfg, parts_list=[]).data)
+    assert "predicted fastest: engine.chunks=8 (lower bound" in text
+    # with the chosen count predicted fastest, no such line
+    cfg, _ = gpu_report(tmp_path, "engine.device_memory=80MiB", "engine.resident=false")
+    d = build_report(cfg, parts_list=[]).data
+    assert d["memory"]["fastest_chunks"] == d["memory"]["suggested_chunks"]
+    assert "predicted fastest" not in format_report(d)

@@ -32,8 +32,8 @@ from hongtu.nn.model import GNN
 from hongtu.partition import Chunker, Partition
 from hongtu.partition._kernels import distinct_sources
 
-__all__ = ["CHUNK_CANDIDATES", "ChunkSizes", "Chunkings", "check_device_budget", "choose_chunks",
-           "chunk_sizes",
+__all__ = ["AUTO_BUDGET_FRACTION", "CHUNK_CANDIDATES", "ChunkSizes", "Chunkings",
+           "check_device_budget", "choose_chunks", "choose_resident", "chunk_sizes",
            "estimate_device_bytes", "first_layer_stores", "first_layer_whole_faster",
            "grown_row_memory", "leftover_bytes", "resident_block_bytes",
            "row_memory", "slot_widths", "spare_rows", "whole_layer_needs"]
@@ -298,6 +298,10 @@ def _estimate(model: GNN, sizes: ChunkSizes, itemsize: int, training: bool, num_
     return int(fixed + _SLACK * peak)
 
 
+#: ``engine.device_memory: auto`` on a GPU: this share of its free memory
+AUTO_BUDGET_FRACTION = 0.9
+
+
 def check_device_budget(budget: int, free: int, total: int, device: str) -> None:
     """Stop with one line when ``engine.device_memory`` asks for more than the GPU
     ``device`` has free (``free`` of ``total`` bytes)."""
@@ -470,3 +474,44 @@ def choose_chunks(graph: Graph, assignment: np.ndarray, num_parts: int, model: G
         f"engine.device_memory={format_size(budget)} is too small: even {n} chunks per part "
         f"need {format_size(least)} on the device; raise engine.device_memory to at least "
         f"{format_size(least * 1.1)}, or lower model.hidden")
+
+
+def choose_resident(resident, budget: int | None, buffers_bytes: int, chunks, graph: Graph,
+                    assignment: np.ndarray, num_parts: int, model: GNN, itemsize: int = 4,
+                    chunkings: Chunkings | None = None, **estimate
+                    ) -> tuple[bool, int | None, int | None]:
+    """Does every buffer live on the device (HongTu-IM), as ``engine.resident`` decides?
+
+    Yes when the buffers (``buffers_bytes``: :meth:`BufferPlan.resident_bytes`) and
+    the batches of ``chunks`` (a count, or ``"auto"``: the fewest that fit what
+    the buffers leave) both fit ``budget`` (``resident``: ``"auto"``), or when
+    asked (``True``). Only on a GPU: the caller passes ``resident=False``
+    elsewhere. ``estimate``: further arguments of :func:`estimate_device_bytes`.
+
+    Returns:
+        ``(resident, budget left for the batches, chunks or None)``; out of core
+        ``(False, budget, None)``.
+
+    Raises:
+        UserError: ``resident`` is ``True`` and they do not fit.
+    """
+    room = None if budget is None else budget - buffers_bytes
+    if resident is not False and room is not None and room > 0:
+        try:
+            if chunks == "auto":
+                n, _ = choose_chunks(graph, assignment, num_parts, model, room, itemsize,
+                                     chunkings=chunkings, resident=True, **estimate)
+                return True, room, n
+            _, sizes = (chunkings or Chunkings(graph, assignment, num_parts)).get(chunks)
+            if estimate_device_bytes(model, sizes, itemsize, num_nodes=graph.num_nodes,
+                                     resident=True, **estimate) <= room:
+                return True, room, chunks
+        except UserError:
+            pass
+    if resident is True:
+        raise UserError(f"engine.resident=true but the buffers alone need "
+                        f"{format_size(buffers_bytes)} of the "
+                        f"{'unset' if budget is None else format_size(budget)} device budget, "
+                        "with too little left for a batch; set engine.resident=auto (trains "
+                        "out of core) or raise engine.device_memory")
+    return False, budget, None

@@ -28,9 +28,11 @@ from hongtu.calibrate import resolve_throughput
 from hongtu.config import Config, format_size, parse_size
 from hongtu.dedup import neighbour_sets
 from hongtu.engine.budget import (
+    AUTO_BUDGET_FRACTION,
     Chunkings,
     check_device_budget,
     choose_chunks,
+    choose_resident,
     estimate_device_bytes,
     grown_row_memory,
     leftover_bytes,
@@ -349,7 +351,7 @@ class Trainer:
             return budget
         free, total = torch.cuda.mem_get_info(self.device)
         if budget is None:
-            return int(free * 0.9)
+            return int(free * AUTO_BUDGET_FRACTION)
         # (what this process's allocator holds unused is free to it too)
         cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         check_device_budget(budget, free + cached, total, str(self.device))
@@ -364,37 +366,15 @@ class Trainer:
         Returns ``(resident, budget left for batches, chunks or None)``.
         """
         e = self.cfg.engine
-        if e.resident is False or self.device.type != "cuda":
-            if e.resident is True:
-                raise UserError("engine.resident=true keeps the buffers in GPU memory, but "
-                                f"this run's device is {self.device.type}; set "
-                                "engine.resident=auto")
-            return False, self.budget, None
-        need = plan.resident_bytes()
-        room = None if self.budget is None else self.budget - need
-        if room is not None and room > 0:
-            try:
-                if e.chunks == "auto":
-                    chunks, _ = choose_chunks(graph, assignment, parts, self.model, room,
-                                              itemsize, chunkings=self._chunkings,
-                                              overlap=e.overlap, resident=True,
-                                              device=self.device.type)
-                    return True, room, chunks
-                _, sizes = self._chunkings.get(e.chunks)
-                est = estimate_device_bytes(self.model, sizes,
-                                            itemsize, num_nodes=graph.num_nodes,
-                                            overlap=e.overlap, resident=True,
-                                            device=self.device.type)
-                if est <= room:
-                    return True, room, e.chunks
-            except UserError:
-                pass
-        if e.resident is True:
-            raise UserError(f"engine.resident=true but the buffers alone need "
-                            f"{format_size(need)} of the {format_size(self.budget)} device "
-                            "budget, with too little left for a batch; set engine.resident=auto "
-                            "(trains out of core) or raise engine.device_memory")
-        return False, self.budget, None
+        if self.device.type != "cuda" and e.resident is True:
+            raise UserError("engine.resident=true keeps the buffers in GPU memory, but "
+                            f"this run's device is {self.device.type}; set "
+                            "engine.resident=auto")
+        return choose_resident(e.resident if self.device.type == "cuda" else False,
+                               self.budget, plan.resident_bytes(), e.chunks, graph,
+                               assignment, parts, self.model, itemsize,
+                               chunkings=self._chunkings, overlap=e.overlap,
+                               device=self.device.type)
 
     def _optimizer(self) -> torch.optim.Optimizer:
         t = self.cfg.train
