@@ -378,10 +378,11 @@ def _costs(plan: TransferPlan, traffic: dict, tp: dict) -> dict:
 
 def _budget_and_chunks(cfg: Config, graph: Graph, assignment: np.ndarray, m: int, model,
                        notes: list[str], copied_dst: list[bool] | None = None,
-                       gpu: bool = False) -> tuple[int | None, int, str]:
+                       gpu: bool = False, chunkings=None) -> tuple[int | None, int, str]:
     """``(budget, n, how n was chosen)``, as the trainer chooses (8 chunks without a
     budget; ``copied_dst``: :func:`~hongtu.engine.executor.own_rows_copied`; ``gpu``:
-    training runs on a GPU)."""
+    training runs on a GPU; ``chunkings``: the
+    :class:`~hongtu.engine.budget.Chunkings` to try counts with)."""
     import torch
 
     from hongtu.engine.budget import AUTO_BUDGET_FRACTION, choose_chunks
@@ -404,16 +405,18 @@ def _budget_and_chunks(cfg: Config, graph: Graph, assignment: np.ndarray, m: int
                      f"machine without CUDA: the report uses {n} chunks per part; set "
                      "engine.device_memory to the target GPU's memory to choose as training will")
         return None, n, "auto without a budget"
-    n, _ = choose_chunks(graph, assignment, m, model, budget, 4, overlap=e.overlap,
-                         copied_dst=copied_dst, device="cuda" if gpu else "cpu")
+    n, _ = choose_chunks(graph, assignment, m, model, budget, 4, chunkings=chunkings,
+                         overlap=e.overlap, copied_dst=copied_dst,
+                         device="cuda" if gpu else "cpu")
     return budget, n, f"auto: fewest that fit {format_size(budget)}"
 
 
 def _resident(cfg: Config, graph: Graph, assignment: np.ndarray, m: int, model, budget,
-              gpu: bool, notes: list[str]) -> dict | None:
+              gpu: bool, notes: list[str], itemsize: int = 4,
+              chunkings=None) -> dict | None:
     """Would training keep every buffer on the GPU (``engine.resident``)? As the
-    trainer decides; ``None`` where it cannot tell (no GPU run, no budget, or
-    ``engine.resident: false``)."""
+    trainer decides (``chunkings``: as for :func:`_budget_and_chunks`); ``None``
+    where it cannot tell (no GPU run, no budget, or ``engine.resident: false``)."""
     from hongtu.engine.budget import choose_resident
     from hongtu.engine.buffers import BufferPlan
 
@@ -423,10 +426,11 @@ def _resident(cfg: Config, graph: Graph, assignment: np.ndarray, m: int, model, 
     # (each process holds its own part's rows; the largest part decides)
     rows = graph.num_nodes if e.devices == 1 else int(np.bincount(assignment, minlength=m).max())
     need = BufferPlan(rows, model.row_widths(), model.stored_aggregates(e.checkpoint),
-                      4).resident_bytes()
+                      itemsize).resident_bytes()
     try:
         yes, _, chunks = choose_resident(e.resident, budget, need, e.chunks, graph, assignment,
-                                         m, model, 4, overlap=e.overlap, device="cuda")
+                                         m, model, itemsize, chunkings=chunkings,
+                                         overlap=e.overlap, device="cuda")
     except UserError as err:
         notes.append(f"training stops before its first epoch: {err}")
         return {"resident": False, "buffers_bytes": need, "chunks": None}
@@ -450,6 +454,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     """
     import torch
 
+    from hongtu.engine.budget import Chunkings
     from hongtu.engine.executor import (
         early_layers,
         first_backward_in_flushes,
@@ -514,9 +519,12 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     t0 = time.perf_counter()
     assignment = assign_parts(graph, m, method=e.partitioner, seed=cfg.train.seed,
                               cache_dir=e.cache_dir)
+    # (one set of chunkings for the counts tried, out of core and resident, as training)
+    chunkings = Chunkings(graph, assignment, m)
     budget, n, chunks_how = _budget_and_chunks(cfg, graph, assignment, m, model, notes,
-                                               copied, gpu)
-    resident = _resident(cfg, graph, assignment, m, model, budget, gpu, notes)
+                                               copied, gpu, chunkings)
+    resident = _resident(cfg, graph, assignment, m, model, budget, gpu, notes, itemsize,
+                         chunkings)
     ctx = {"engine": e, "seed": cfg.train.seed, "throughput": tp, "devices": e.devices,
            "row_bytes": itemsize * max(widths), "model": model, "itemsize": itemsize,
            "budget": budget, "copied_dst": copied, "checkpoint": checkpoint,

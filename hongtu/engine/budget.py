@@ -308,7 +308,8 @@ def check_device_budget(budget: int, free: int, total: int, device: str) -> None
     if budget > free:
         raise UserError(f"engine.device_memory={format_size(budget)} is more than {device} has "
                         f"free ({format_size(free)} of {format_size(total)}); set it to at most "
-                        f"{format_size(free)}, or to auto (90% of the free memory)")
+                        f"{format_size(free)}, or to auto ({AUTO_BUDGET_FRACTION:.0%} of the "
+                        "free memory)")
 
 
 def resident_block_bytes(sizes: ChunkSizes, itemsize: int = 4) -> int:

@@ -708,15 +708,16 @@ class Mover:
         compute fills the GPU).
         """
         out, narrow = {}, []
+        runs, empty = self._block_copies(block, skip)
         with self._on(self.s_in, after_compute=False), self.timing("time_h2d_s", self.s_in):
-            for span, parts in self._block_runs(block, skip):
+            for span, parts in runs:
                 self.traffic.h2d_bytes += span.nbytes
                 d = span.to(self.device, non_blocking=True)
                 if d.dtype == torch.int32:
                     narrow.append((d, parts))
                 else:
                     out.update((name, d if a is None else d[a:b]) for name, a, b in parts)
-        for name in self._block_copies(block, skip)[1]:  # (empty ones: made on the device)
+        for name in empty:  # (made on the device)
             t = getattr(block, name)
             out[name] = torch.empty(t.shape, device=self.device,
                                     dtype=torch.int64 if t.dtype == torch.int32 else t.dtype)
@@ -734,9 +735,6 @@ class Mover:
             ready = self._ready_event(self.s_widen)
         return Ticket(block.replace_tensors(out), ready)
 
-    def _block_runs(self, block, skip: tuple[str, ...]) -> list:
-        return self._block_copies(block, skip)[0]
-
     def _block_copies(self, block, skip: tuple[str, ...]) -> tuple[list, list[str]]:
         """:func:`_block_runs` of ``block`` without ``skip``, and the names of its
         empty tensors (in no run), worked out once per block and skip."""
@@ -751,7 +749,7 @@ class Mover:
         """Host bytes :meth:`fetch_block` moves for ``block`` without ``skip``: its
         tensors' and, where they travel as one copy, the few alignment bytes
         between them."""
-        return sum(span.nbytes for span, _ in self._block_runs(block, skip))
+        return sum(span.nbytes for span, _ in self._block_copies(block, skip)[0])
 
     def take_block(self, t: Ticket):
         """The block of a :meth:`fetch_block`; its memory is kept until compute is done."""
