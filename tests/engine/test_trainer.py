@@ -99,3 +99,47 @@ def test_auto_recomputes_layers_reading_own_rows_among_their_sources(tmp_path, a
     assert executor("engine.checkpoint=recompute").cached == [False, False]
     if gpu:
         assert executor("engine.resident=auto").cached == [True, True]  # (it fits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layers", [2, 3])
+def test_training_allocates_no_more_than_the_estimate(tmp_path, layers):
+    """What training holds on the GPU stays under the estimate it was planned
+    with, and training runs with PyTorch's allocator limited to the budget (a
+    GPU the size of ``engine.device_memory``): a GCN with a 256-wide hidden
+    layer on an R-MAT graph, the budget filled with kept rows. (Counting a
+    cached hidden layer's sources once, as it holds them, ran 8% faster on
+    products-like but ran out of memory under such a cap: the allocator found
+    no room among its free pieces for a 256-wide row per source of the largest
+    chunk; ``bench/HISTORY.md``, 2026-11-25, last.)"""
+    import torch
+
+    from hongtu.graph.datasets import BUILTIN_DATASETS, BuiltinDataset
+    from hongtu.graph.generators import rmat_graph
+    from hongtu.graph.transforms import add_self_loops
+
+    graph = add_self_loops(rmat_graph(17, 16, 64, 8, seed=0))
+    BUILTIN_DATASETS["rmat17_budget"] = BuiltinDataset("rmat17_budget", lambda: graph)
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (base + (1 << 30)) / total))
+        cfg = load_config(REPO / "configs" / "gcn_example.yaml", [
+            "data.path=builtin:rmat17_budget", "data.undirected=false", "data.self_loops=false",
+            f"output.dir={tmp_path}", f"engine.cache_dir={tmp_path}/cache",
+            "engine.accelerator=cuda", "model.hidden=256", f"model.layers={layers}",
+            "engine.partitioner=range", "engine.chunks=4", "engine.device_memory=1GiB",
+            "engine.resident=false"])
+        tr = Trainer(cfg, overwrite=True, out=lambda s: None)
+        assert tr.transfer_plan.cached_rows > 0  # (the budget's rest keeps rows)
+        for epoch in range(2):
+            tr.run_epoch(epoch, evaluate=True)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        assert peak <= tr.estimate <= 1 << 30, (peak, tr.estimate)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        del BUILTIN_DATASETS["rmat17_budget"]
