@@ -378,7 +378,8 @@ def _costs(plan: TransferPlan, traffic: dict, tp: dict) -> dict:
 
 def _budget_and_chunks(cfg: Config, graph: Graph, assignment: np.ndarray, m: int, model,
                        notes: list[str], copied_dst: list[bool] | None = None,
-                       gpu: bool = False, chunkings=None) -> tuple[int | None, int, str]:
+                       gpu: bool = False, chunkings=None,
+                       itemsize: int = 4) -> tuple[int | None, int, str]:
     """``(budget, n, how n was chosen)``, as the trainer chooses (8 chunks without a
     budget; ``copied_dst``: :func:`~hongtu.engine.executor.own_rows_copied`; ``gpu``:
     training runs on a GPU; ``chunkings``: the
@@ -405,7 +406,7 @@ def _budget_and_chunks(cfg: Config, graph: Graph, assignment: np.ndarray, m: int
                      f"machine without CUDA: the report uses {n} chunks per part; set "
                      "engine.device_memory to the target GPU's memory to choose as training will")
         return None, n, "auto without a budget"
-    n, _ = choose_chunks(graph, assignment, m, model, budget, 4, chunkings=chunkings,
+    n, _ = choose_chunks(graph, assignment, m, model, budget, itemsize, chunkings=chunkings,
                          overlap=e.overlap, copied_dst=copied_dst,
                          device="cuda" if gpu else "cpu")
     return budget, n, f"auto: fewest that fit {format_size(budget)}"
@@ -522,7 +523,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     # (one set of chunkings for the counts tried, out of core and resident, as training)
     chunkings = Chunkings(graph, assignment, m)
     budget, n, chunks_how = _budget_and_chunks(cfg, graph, assignment, m, model, notes,
-                                               copied, gpu, chunkings)
+                                               copied, gpu, chunkings, itemsize)
     resident = _resident(cfg, graph, assignment, m, model, budget, gpu, notes, itemsize,
                          chunkings)
     ctx = {"engine": e, "seed": cfg.train.seed, "throughput": tp, "devices": e.devices,
