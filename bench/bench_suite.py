@@ -10,8 +10,9 @@ of the sized graphs are kept as messages so the edge counts are exact):
 * ``largest``: R-MAT at ``--scale`` (default 25), 128 features, hidden 128 —
   sized to one GPU machine's host memory (128 GiB).
 
-Models: ``gcn2``, ``gcn3`` (hidden 256), ``gat2`` (4 heads x 64 = 256) and
-``sage2`` (GraphSAGE, mean, hidden 256; not in the default ``--models``).
+Models: ``gcn2``, ``gcn3`` (hidden 256), ``gat2`` (4 heads x 64 = 256),
+``sage2`` (GraphSAGE, mean, hidden 256) and ``gin2`` (GIN, sum, hidden 256; its
+MLPs as wide as their layer's output); the last two are not in the default ``--models``.
 Systems: ``hongtu`` (dedup + reorg + overlap, spare budget keeps reused rows),
 ``baseline`` (no dedup: no reuse, P2P, reorg, kept rows, whole layers or
 ordered inputs), ``resident`` (every buffer on the
@@ -86,7 +87,8 @@ WORKLOADS = {
     "rmat22": dict(scale=22, features=128, classes=16, hidden=256),
     "largest": dict(scale=25, features=128, classes=16, hidden=128),
 }
-MODELS = {"gcn2": ("gcn", 2), "gcn3": ("gcn", 3), "gat2": ("gat", 2), "sage2": ("sage", 2)}
+MODELS = {"gcn2": ("gcn", 2), "gcn3": ("gcn", 3), "gat2": ("gat", 2), "sage2": ("sage", 2),
+          "gin2": ("gin", 2)}
 GAT_HEADS = 4
 SYSTEMS = {
     "hongtu": {"dedup": {"reuse": True, "p2p": True}, "reorg": True, "resident": False},

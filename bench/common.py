@@ -78,11 +78,12 @@ def pinned_copy_peak(device: torch.device, nbytes: int = 1 << 30, repeats: int =
 def pyg_run(graph, layer: str, layers: int, hidden: int, epochs: int, device: torch.device,
             heads: int = 4, dropout: float = 0.5, warmup: int = 1) -> dict:
     """The same model in memory with PyG: GCNConv on a normalised torch CSR adjacency
-    (``normalize=False``, as hongtu's GCN normalises by degrees), SAGEConv (mean) on
-    the torch CSR adjacency, GATConv on edge_index.
+    (``normalize=False``, as hongtu's GCN normalises by degrees), SAGEConv (mean) and
+    GINConv (sum; its MLP as hongtu's GIN: Linear, ReLU, Linear, as wide as the
+    layer's output) on the torch CSR adjacency, GATConv on edge_index.
     The median epoch leaves out the first ``warmup`` epochs."""
     try:
-        from torch_geometric.nn import GATConv, GCNConv, SAGEConv
+        from torch_geometric.nn import GATConv, GCNConv, GINConv, SAGEConv
     except ImportError:
         return {"status": "torch_geometric not installed"}
     n = graph.num_nodes
@@ -99,7 +100,7 @@ def pyg_run(graph, layer: str, layers: int, hidden: int, epochs: int, device: to
             adj = torch.sparse_csr_tensor(torch.from_numpy(graph.indptr), col, w,
                                           size=(n, n), check_invariants=False).to(device)
             del w
-        elif layer == "sage":
+        elif layer in ("sage", "gin"):
             adj = torch.sparse_csr_tensor(torch.from_numpy(graph.indptr), col,
                                           torch.ones(col.shape[0]), size=(n, n),
                                           check_invariants=False).to(device)
@@ -117,6 +118,11 @@ def pyg_run(graph, layer: str, layers: int, hidden: int, epochs: int, device: to
         elif layer == "sage":
             dims = [graph.num_features] + [hidden] * (layers - 1) + [classes]
             convs = [SAGEConv(a, b, aggr="mean") for a, b in zip(dims[:-1], dims[1:])]
+        elif layer == "gin":
+            dims = [graph.num_features] + [hidden] * (layers - 1) + [classes]
+            convs = [GINConv(torch.nn.Sequential(torch.nn.Linear(a, b), torch.nn.ReLU(),
+                                                 torch.nn.Linear(b, b)))
+                     for a, b in zip(dims[:-1], dims[1:])]
         else:
             convs, width = [], graph.num_features
             for i in range(layers):
