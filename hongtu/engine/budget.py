@@ -35,8 +35,9 @@ from hongtu.partition._kernels import distinct_sources
 __all__ = ["AUTO_BUDGET_FRACTION", "CHUNK_CANDIDATES", "ChunkSizes", "Chunkings",
            "check_device_budget", "choose_chunks", "choose_resident", "chunk_sizes",
            "estimate_device_bytes", "first_layer_stores", "first_layer_whole_faster",
-           "grown_row_memory", "leftover_bytes", "resident_block_bytes",
-           "row_memory", "slot_widths", "spare_rows", "whole_layer_needs"]
+           "grown_row_memory", "kept_graph_bytes", "kept_graph_layers", "leftover_bytes",
+           "resident_block_bytes", "row_memory", "slot_widths", "spare_rows",
+           "whole_layer_needs"]
 
 CHUNK_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512,
                     768, 1024, 1536, 2048, 4096)
@@ -300,6 +301,35 @@ def _estimate(model: GNN, sizes: ChunkSizes, itemsize: int, training: bool, num_
 
 #: ``engine.device_memory: auto`` on a GPU: this share of its free memory
 AUTO_BUDGET_FRACTION = 0.9
+
+
+def kept_graph_layers(model: GNN, cached: list[bool], stored: list[bool]) -> list[bool]:
+    """Layers whose update a resident run may keep under autograd from forward to
+    backward instead of running it again (``Executor(keep_graphs=True)``): cached
+    ones with a stored aggregate whose update's backward is autograd's
+    (:meth:`~hongtu.nn.GNN.writes_update_backward` is false: SAGE, GIN, custom
+    layers), as PyG keeps them; GCN's written-out backward recomputes only
+    its one product."""
+    return [c and s and not model.writes_update_backward(l)
+            for l, (c, s) in enumerate(zip(cached, stored))]
+
+
+def kept_graph_bytes(model: GNN, sizes: ChunkSizes, itemsize: int, layers: list[bool]) -> int:
+    """Device bytes of the update graphs of ``layers`` (:func:`kept_graph_layers`)
+    kept for every chunk from forward to backward: per chunk the layer's own
+    intermediates (:meth:`~hongtu.nn.GNNLayer.extra_device_bytes`), its input
+    and its output with the activation's."""
+    widths, true = model.row_widths(), model.widths()
+    total = 0
+    for l, layer in enumerate(model.layers):
+        if not layers[l]:
+            continue
+        src, dst, e = sizes.num_src, sizes.num_dst, sizes.num_edges
+        out = max(widths[l + 1], true[l + 1])
+        total += int((dst * (widths[l] + 2 * out) * itemsize).sum())
+        total += sum(layer.extra_device_bytes(int(a), int(b), int(c), itemsize)
+                     for a, b, c in zip(src, dst, e))
+    return total
 
 
 def check_device_budget(budget: int, free: int, total: int, device: str) -> None:

@@ -43,6 +43,7 @@ from hongtu.engine.budget import (
     first_layer_may_fold,
     first_layer_stores,
     flush_piece_rows,
+    kept_graph_layers,
     row_memory,
     slot_widths,
     whole_layer_needs,
@@ -739,6 +740,14 @@ class Executor:
             the pass it saves reads host memory in order and the gathers and
             smaller products cost more (an R-MAT 2^16 GCN 3x256 epoch on two
             cores: 0.65-0.69 against 0.60-0.62 s).
+        keep_graphs: resident on one device, a training forward pass keeps the
+            autograd graph of each chunk's update for the backward pass of
+            the layers :func:`~hongtu.engine.budget.kept_graph_layers` names
+            (SAGE, GIN, custom layers: as PyG keeps them), which then runs no
+            update again; their aggregates are not stored (their buffers stay
+            allocated). The Trainer asks
+            for it where the graphs fit the budget beside everything else
+            (:func:`~hongtu.engine.budget.kept_graph_bytes`).
     """
 
     def __init__(self, model: GNN, chunks: ChunkSet, buffers: HostBuffers, labels: Tensor,
@@ -748,7 +757,7 @@ class Executor:
                  overlap: bool = True, whole_layers: bool = True,
                  row_elements: int | None = None, ordered_inputs: bool = False,
                  ordered_rows: bool = False, own_in_sources: bool = False,
-                 first_in_flushes: bool = False) -> None:
+                 first_in_flushes: bool = False, keep_graphs: bool = False) -> None:
         self.model = model
         self.chunks = chunks
         self.buf = buffers
@@ -815,6 +824,8 @@ class Executor:
             self._flush_rows = torch.empty((2, self._flush_piece, w0), dtype=self.dtype,
                                            device=device)
             self._flush_free = [None, None]  # (events: compute done with each)
+        self._keep_graphs = keep_graphs
+        self._graphs: dict[tuple[int, int], tuple] = {}  # (layer, chunk): kept update
         self._held_by: dict[bool, tuple] = {}
         self._held = None
         self._head = None  # (the next backward pass's first reads, issued early)
@@ -957,6 +968,15 @@ class Executor:
         if self._own_at is None:
             return []
         return [l for l, (f, b) in enumerate(zip(self._fwd_own, self._own_src)) if f or b]
+
+    @property
+    def kept_graphs(self) -> list[int]:
+        """Layers whose update graph a training forward pass keeps for backward
+        (``keep_graphs``; resident on one device only)."""
+        if not (self._keep_graphs and self._direct):
+            return []
+        return [l for l, k in enumerate(kept_graph_layers(self.model, self.cached, self.stored))
+                if k]
 
     @property
     def first_in_flushes(self) -> bool:
@@ -1194,6 +1214,8 @@ class Executor:
         # h^1 stays on the device for the second layer's pass (in training:
         # evaluation leaves every h^l in host memory, where predict reads them)
         keep = self.rows_kept and train
+        self._graphs.clear()  # (a training forward pass without its backward left some)
+        graphs = set(self.kept_graphs) if train else set()
         for l in range(L):
             layer = model.layers[l]
             seed, nxt = self._seed(epoch, l), self._seed(epoch, l + 1)
@@ -1245,9 +1267,13 @@ class Executor:
                         x_dst = self._own_forward(l, q, c, block, tbuf, x_src)
                     if a is not None:
                         # (a first layer's own rows from its slots: dropped out already)
-                        out = model.step_update(l, block, a, x_dst, seed, nxt,
-                                                dst_dropped=(l == 0 and in_slots and train
-                                                             and self._fwd_own[l]))
+                        dropped = l == 0 and in_slots and train and self._fwd_own[l]
+                        if l in graphs:  # its graph kept for backward, not its aggregate
+                            out = self._keep_update(l, c, block, a, x_dst, seed, nxt, dropped)
+                            a = None
+                        else:
+                            out = model.step_update(l, block, a, x_dst, seed, nxt,
+                                                    dst_dropped=dropped)
                     else:
                         out = model.step_forward(l, block, x_src, x_dst, seed, nxt)
                     a = a if self.stored[l] and train else None  # stored for backward
@@ -1283,6 +1309,19 @@ class Executor:
 
             self._run_pass(fetch, run)
         return acc
+
+    def _keep_update(self, l: int, c: int, block, a: Tensor, x_dst: Tensor | None, seed: int,
+                     nxt: int, dst_dropped: bool) -> Tensor:
+        """Layer ``l``'s update of chunk ``c`` under autograd, its graph kept for
+        the backward pass (``keep_graphs``); the output, detached."""
+        need_in = l > 0  # (as backward: ∇h^0 is never needed)
+        a = a.detach().requires_grad_(need_in)
+        # (own rows may lie in memory later passes write: a copy, which the graph may save)
+        x_dst = x_dst.detach().clone().requires_grad_(need_in) if x_dst is not None else None
+        with torch.enable_grad():
+            out = self.model.step_update(l, block, a, x_dst, seed, nxt, dst_dropped=dst_dropped)
+        self._graphs[(l, c)] = (a, x_dst, out)
+        return out.detach()
 
     def _run_pass(self, fetch, run, after=None) -> None:
         """One layer pass over the plan's items.
@@ -1546,8 +1585,17 @@ class Executor:
             return
         x_dst = mv.take(dst).detach().requires_grad_(need_in) if dst is not None else None
         a = mv.take(agg) if self.cached[l] else None
+        graph = self._graphs.pop((l, c), None)
         with mv.timing("time_compute_s"), torch.enable_grad():
-            if a is not None:
+            if graph is not None:  # the update's graph, kept by the forward pass
+                a, x_kept, out = graph
+                graph = None
+                _backward(out, g_out)
+                del out
+                x_dst = x_kept if x_kept is not None else x_dst  # (its gradient added below)
+                g_src = (model.step_aggregate_transpose(l, block, a.grad, seed)
+                         if need_in and a.grad is not None else None)
+            elif a is not None:
                 g_a = _update_backward(model, l, block, a, x_dst, g_out, seed, nxt, need_in)
                 g_src = (model.step_aggregate_transpose(l, block, g_a, seed)
                          if need_in and g_a is not None else None)

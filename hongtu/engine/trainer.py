@@ -35,6 +35,8 @@ from hongtu.engine.budget import (
     choose_resident,
     estimate_device_bytes,
     grown_row_memory,
+    kept_graph_bytes,
+    kept_graph_layers,
     leftover_bytes,
     resident_block_bytes,
     row_memory,
@@ -281,6 +283,15 @@ class Trainer:
         # nor ∇h^1 where layer 1's backward runs the first layer's on its flushes
         into_first = self.device.type == "cuda" and first_backward_in_flushes(
             self.model, cached, hand.whole, hand.kept, own_src, self.resident and world == 1)
+        # Resident on one device, updates whose backward autograd runs keep their
+        # graph from forward to backward where the budget holds it (as PyG does).
+        graphs = kept_graph_layers(self.model, cached, stored) \
+            if self.resident and world == 1 else []
+        graph_bytes = kept_graph_bytes(self.model, sizes, itemsize, graphs) if any(graphs) else 0
+        keep_graphs = graph_bytes > 0 and (self.room is None
+                                           or self.estimate + graph_bytes <= self.room)
+        self.graph_bytes = graph_bytes if keep_graphs else 0  # (counted in the estimate)
+        self.estimate += self.graph_bytes
         plan = BufferPlan(b - a, widths, stored, itemsize,
                           grads=[not k and not (l == 1 and into_first)
                                  for l, k in enumerate(hand.kept)])
@@ -306,7 +317,7 @@ class Trainer:
             row_elements=None if self.resident else row_elements,
             ordered_inputs=e.ordered_inputs and self.device.type == "cuda",
             ordered_rows=index_bytes is not None,
-            own_in_sources=own_src, first_in_flushes=into_first)
+            own_in_sources=own_src, first_in_flushes=into_first, keep_graphs=keep_graphs)
         split["executor_s"] = time.perf_counter() - t
         ex, rows = self.executor, []
         if ex.whole_layers:
@@ -319,6 +330,10 @@ class Trainer:
             rows.append("own rows taken from the chunks' sources (every vertex has a "
                         "self-loop), not copied: layers "
                         + ", ".join(map(str, ex.own_rows_from_sources)))
+        if ex.kept_graphs:
+            rows.append("update graphs kept from forward to backward (resident, no update run "
+                        "again; their aggregates not stored): layers "
+                        + ", ".join(map(str, ex.kept_graphs)))
         if ex.first_in_flushes:
             rows.append("first layer's backward run on layer 1's gradient flushes "
                         "(grad h^1 never goes to host memory)")

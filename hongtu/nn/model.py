@@ -235,19 +235,10 @@ class GNN(nn.Module):
         done nothing, elsewhere (and where a parameter has gradient hooks), for
         the caller to run autograd.
         """
-        layer = self.layers[l]
-        lin = layer.linear_params
-        if (lin is None or layer.needs_dst or self.transforms_first(l)
-                or l == self.num_layers - 1 or self.activation != "relu"):
+        if not self.writes_update_backward(l):
             return False, None
-        first = self.transforms_first(l + 1)
-        after = self.layers[l + 1].linear_transform if first else None
-        if first and after is None:
-            return False, None
-        params = [t for t in (*lin, after) if t is not None and t.requires_grad]
-        if any(t._backward_hooks or getattr(t, "_post_accumulate_grad_hooks", None)
-               for t in params):
-            return False, None
+        lin = self.layers[l].linear_params
+        after = self.layers[l + 1].linear_transform if self.transforms_first(l + 1) else None
         if self.reads_as_kept(l + 1) and next_seed is None:
             raise ValueError(f"layer {l + 1} reads its rows dropped out by layer {l}: "
                              "pass next_seed (its dropout seed)")
@@ -271,6 +262,22 @@ class GNN(nn.Module):
             if gb is not None:
                 _accumulate(bias, gb)
             return True, ga
+
+    def writes_update_backward(self, l: int) -> bool:
+        """Does :meth:`update_backward` write layer ``l``'s update backward out
+        (a linear map then ReLU, see there), rather than leave it to autograd?"""
+        layer = self.layers[l]
+        lin = layer.linear_params
+        if (lin is None or layer.needs_dst or self.transforms_first(l)
+                or l == self.num_layers - 1 or self.activation != "relu"):
+            return False
+        first = self.transforms_first(l + 1)
+        after = self.layers[l + 1].linear_transform if first else None
+        if first and after is None:
+            return False
+        params = [t for t in (*lin, after) if t is not None and t.requires_grad]
+        return not any(t._backward_hooks or getattr(t, "_post_accumulate_grad_hooks", None)
+                       for t in params)
 
     def drop_sources_into(self, l: int, x: Tensor, ids: Tensor, seed: int, out: Tensor,
                           at: Tensor, x_at: Tensor | None = None) -> None:

@@ -10,6 +10,7 @@ from hongtu.dedup import neighbour_sets
 from hongtu.engine.budget import (
     CHUNK_CANDIDATES,
     Chunkings,
+    ChunkSizes,
     check_device_budget,
     choose_chunks,
     chunk_sizes,
@@ -17,6 +18,8 @@ from hongtu.engine.budget import (
     first_layer_stores,
     first_layer_whole_faster,
     grown_row_memory,
+    kept_graph_bytes,
+    kept_graph_layers,
     row_memory,
     slot_widths,
     spare_rows,
@@ -434,3 +437,40 @@ def test_kept_rows_come_before_resident_blocks():
     assert spare_rows(100 * row, 100 * row, 256) == 0
     assert spare_rows(1000 * row + 5, 400 * row, 256) == 600
     assert spare_rows(10 * row, 20 * row, 256) == 0  # (over the budget: none)
+
+
+@pytest.mark.parametrize("layer", ["gcn", "sage", "gin"])
+def test_kept_graph_bytes_cover_what_autograd_keeps(layer):
+    """A resident run keeps the update graphs of the layers kept_graph_layers names
+    (not GCN's, whose backward is written out); kept_graph_bytes counts at least
+    what autograd saves for each update with its output, here for one chunk of
+    1,000 rows in training (dropout on), every layer."""
+    from hongtu.engine.executor import _Rows
+
+    model = make_model(layer)
+    model.train()
+    cached, stored = model.cached_layers("auto"), model.stored_aggregates("auto")
+    layers = kept_graph_layers(model, cached, stored)
+    assert any(layers) == (layer != "gcn")
+    dst = 1000
+    sizes = ChunkSizes(np.array([3 * dst]), np.array([dst]), np.array([10 * dst]))
+    widths = model.row_widths()
+    for l, kept in enumerate(layers):
+        if not kept:
+            continue
+        saved: dict[int, int] = {}
+
+        def pack(t, saved=saved):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        a = torch.randn(dst, widths[l], requires_grad=l > 0)
+        x = torch.randn(dst, widths[l], requires_grad=l > 0) \
+            if model.layers[l].needs_dst else None
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model.step_update(l, _Rows(torch.arange(dst)), a, x, 1, 2)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        held = sum(v for k, v in saved.items() if k not in params)
+        held += 0 if out.untyped_storage().data_ptr() in saved else out.numel() * 4
+        one = [k == l for k in range(len(layers))]
+        assert 0 < held <= kept_graph_bytes(model, sizes, 4, one), (l, held)

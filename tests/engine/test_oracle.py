@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hongtu.engine import BufferPlan, ChunkSet, Executor, HostBuffers, budget, executor
-from hongtu.engine.transfer import BLOCK_LAYOUT
+from hongtu.engine.transfer import BLOCK_LAYOUT, Mover
 from hongtu.graph.transforms import has_self_loops
 from hongtu.nn import GNN, build_block, layer_seed, ops, resolve_layer
 from hongtu.nn.block import Block
@@ -51,7 +51,7 @@ def chunked_step(model: GNN, graph, parts: int, chunks: int, checkpoint: str, ep
                  reorg: bool = True, overlap: bool = True, resident: bool = False,
                  cache_rows: int = 0, resident_blocks: bool = True, whole: bool = False,
                  ordered: bool = False, ordered_rows: bool = False, own: bool | None = None,
-                 first_in_flushes: bool = True):
+                 first_in_flushes: bool = True, keep_graphs: bool = False):
     """One executor step on ``graph`` split into ``parts`` x ``chunks`` on ``device``
     (``cache_rows``: spare slots for rows kept across batches; ``whole``: layers
     whose rows fit the transition buffer move them all at once, which on these
@@ -61,7 +61,8 @@ def chunked_step(model: GNN, graph, parts: int, chunks: int, checkpoint: str, ep
     ``own``: chunks take their own rows from their sources, default where every
     vertex has a self-loop, a layer reads its own rows and ``p2p``, as the
     Trainer has it; ``first_in_flushes``: the first layer's backward may run
-    on layer 1's flushes, as the Trainer has it on GPUs)."""
+    on layer 1's flushes, as the Trainer has it on GPUs; ``keep_graphs``: resident,
+    updates keep their autograd graph from forward to backward)."""
     if assignment is None:
         assignment = np.arange(graph.num_nodes) % parts
     p = chunk_partition(graph, assignment, chunks, num_parts=parts)
@@ -78,7 +79,7 @@ def chunked_step(model: GNN, graph, parts: int, chunks: int, checkpoint: str, ep
                   checkpoint=checkpoint, seed=0, overlap=overlap,
                   resident_blocks=resident_blocks, whole_layers=whole, ordered_inputs=ordered,
                   ordered_rows=ordered_rows, first_in_flushes=first_in_flushes,
-                  own_in_sources=own if own is not None else (
+                  keep_graphs=keep_graphs, own_in_sources=own if own is not None else (
                       p2p and any(x.needs_dst for x in model.layers) and has_self_loops(g)))
     ex.transfer_plan = plan
     res = ex.step(epoch)
@@ -809,17 +810,60 @@ def test_resident_arithmetic_on_cpu(layer, chunks, monkeypatch):
     assert_matches(model, res.loss, ref_loss, ref_grads)
 
 
+#: layers whose update graph a resident run keeps (two-layer models of make_model):
+#: GCN writes its update's backward out (and its last layer stores no aggregate),
+#: GAT and the example's gated layer are not cacheable (recomputed in full)
+KEPT_GRAPHS = {"gcn": [], "sage": [0, 1], "gin": [0, 1], "gat": [],
+               "examples.edge_weighted_conv:EdgeWeightedConv": []}
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_resident_kept_update_graphs_equal_full_graph(layer, chunks, monkeypatch):
+    """Resident, with the updates' autograd graphs kept from forward to backward
+    (``keep_graphs``, checked on CPU as above): the same step, those layers run no
+    update again in backward and store no aggregate, and no graph is left."""
+    orig = Executor.__init__
+
+    def resident_init(self, *a, **kw):
+        orig(self, *a, **kw)
+        self._direct = self.resident = True
+        self._whole = [False] * len(self._whole)
+        self._first_in_slots = self._in_flushes = False
+        self._in_place = self._in_slots = [False] * len(self._whole)
+
+    monkeypatch.setattr(Executor, "__init__", resident_init)
+    again, stored = [], []
+    update_backward, store_range = executor._update_backward, Mover.store_range
+    monkeypatch.setattr(executor, "_update_backward",
+                        lambda model, l, *a, **kw: again.append(l) or update_backward(
+                            model, l, *a, **kw))
+    monkeypatch.setattr(Mover, "store_range",
+                        lambda self, host, *a: stored.append(host.data_ptr())
+                        or store_range(self, host, *a))
+    graph = CASES["skewed"](seed=6)
+    model = make_model(layer)
+    res, g, ex = chunked_step(model, graph, 1, chunks, "auto", keep_graphs=True)
+    assert ex.kept_graphs == KEPT_GRAPHS[layer]
+    assert not set(again) & set(ex.kept_graphs)
+    assert not {ex.buf.agg[l].data_ptr() for l in ex.kept_graphs} & set(stored)
+    assert not ex._graphs
+    ref_loss, ref_grads = reference_step(model, g)
+    assert_matches(model, res.loss, ref_loss, ref_grads)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layer", LAYERS)
 @pytest.mark.parametrize("checkpoint", ["auto", "recompute"])
 @pytest.mark.parametrize("mode", ["overlap", "serial", "kept", "copied-blocks", "resident",
-                                  "resident-1", "whole", "whole-serial", "first-whole",
-                                  "first-by-time", "ordered", "ordered-rows"])
+                                  "resident-1", "resident-graphs", "whole", "whole-serial",
+                                  "first-whole", "first-by-time", "ordered", "ordered-rows"])
 def test_cuda_step_equals_full_graph(layer, checkpoint, mode, monkeypatch):
     """The GPU paths are exact too: pinned buffers with zero-copy gathers and staged
     flushes, with transfers one batch ahead on their own streams or in program
     order, with rows kept across batches, with chunk blocks copied batch by batch
-    (int32 on the host), with every buffer resident on the device, with
+    (int32 on the host), with every buffer resident on the device (and the
+    updates' autograd graphs kept from forward to backward), with
     every layer's rows moved whole (one copy each way per pass), with the
     first layer's alone (the others' plan rows in the same memory), and with
     the first layer's rows copied from its inputs stored in load order (and
@@ -848,7 +892,10 @@ def test_cuda_step_equals_full_graph(layer, checkpoint, mode, monkeypatch):
     res, g, ex = chunked_step(model, graph, parts, chunks, checkpoint, device="cuda",
                               overlap=not serial, resident=mode.startswith("resident"),
                               cache_rows=kept, resident_blocks=mode != "copied-blocks",
-                              whole=whole, ordered=ordered, ordered_rows=rows)
+                              whole=whole, ordered=ordered, ordered_rows=rows,
+                              keep_graphs=mode == "resident-graphs")
+    assert ex.kept_graphs == (KEPT_GRAPHS[layer] if mode == "resident-graphs"
+                              and checkpoint == "auto" else [])
     assert (ex._ordered is not None) == ordered
     assert ex.ordered_rows == on_cpu.ordered_rows
     assert bool(ex.ordered_rows) == (rows and checkpoint == "auto" and layer == "gcn")

@@ -52,3 +52,26 @@ def test_resident_true_that_does_not_fit_is_a_clear_error(tmp_path):
     with pytest.raises(UserError, match=r"engine\.resident=true"):
         trainer(tmp_path, "engine.accelerator=cuda", "engine.resident=true",
                 "engine.device_memory=1MiB")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", ["gin", "sage"])
+def test_resident_keeps_update_graphs_where_they_fit(tmp_path, layer):
+    """Resident, a layer whose update's backward autograd runs keeps its graph from
+    forward to backward where the budget holds it beside the buffers and the
+    batches (budget.kept_graph_bytes), with the same losses as out of core; with
+    a budget that holds all but the graphs it trains resident without them."""
+    res = trainer(tmp_path / "a", "engine.accelerator=cuda", f"model.layer={layer}")
+    assert res.resident and res.executor.kept_graphs == [0, 1] and res.graph_bytes > 0
+    buffers = res.budget - res.room
+    tight = buffers + res.estimate - res.graph_bytes // 2
+    less = trainer(tmp_path / "c", "engine.accelerator=cuda", f"model.layer={layer}",
+                   f"engine.device_memory={tight}")
+    assert less.resident and less.executor.kept_graphs == [] and less.graph_bytes == 0
+    ooc = trainer(tmp_path / "b", "engine.accelerator=cuda", f"model.layer={layer}",
+                  "engine.resident=false", "engine.chunks=4")
+    for e in range(3):
+        a, b, c = res.run_epoch(e), ooc.run_epoch(e), less.run_epoch(e)
+        for x in (a, c):
+            assert abs(x["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (e, x["loss"], b["loss"])
+    assert not res.executor._graphs  # (each backward took its graphs)
