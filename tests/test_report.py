@@ -562,3 +562,24 @@ def test_report_names_the_predicted_fastest_count(tmp_path):
     d = build_report(cfg, parts_list=[]).data
     assert d["memory"]["fastest_chunks"] == d["memory"]["suggested_chunks"]
     assert "predicted fastest" not in format_report(d)
+
+
+def test_own_rows_recomputed_only_below_the_degree(tmp_path, monkeypatch):
+    """A GPU run out of core recomputes layers reading their own rows among their
+    sources (checkpoint auto) only on graphs with fewer edges per vertex than
+    OWN_RECOMPUTE_BELOW_DEGREE; the report plans it as training would."""
+    from hongtu.engine import executor
+    from hongtu.engine.executor import resolved_checkpoint
+
+    assert resolved_checkpoint("auto", True, 26.0) == "own"
+    assert resolved_checkpoint("auto", True, 494.0) == "auto"
+    assert resolved_checkpoint("auto", False, 26.0) == "auto"
+    assert resolved_checkpoint("recompute", True, 494.0) == "recompute"
+    cfg = load_config(CONFIG, base(tmp_path, "engine.accelerator=cuda", "model.layer=sage"))
+    graph = load_data(cfg)
+    assert graph.num_edges / graph.num_nodes < executor.OWN_RECOMPUTE_BELOW_DEGREE
+    d = build_report(cfg, parts_list=[], chunks_list=[]).data
+    assert d["model"]["cached"] == [False, False]
+    monkeypatch.setattr(executor, "OWN_RECOMPUTE_BELOW_DEGREE", 1.0)
+    d = build_report(cfg, parts_list=[], chunks_list=[]).data
+    assert d["model"]["cached"] == [True, True]

@@ -543,14 +543,30 @@ def own_rows_forward(model: GNN, whole: list[bool], own: bool,
             for l, layer in enumerate(model.layers)]
 
 
-def resolved_checkpoint(checkpoint: str, own: bool) -> str:
+#: ``engine.checkpoint: auto`` recomputes layers reading their own rows out of core
+#: (:func:`resolved_checkpoint`) only on graphs with fewer edges per vertex than
+#: this. Recomputing aggregates again, work in proportion to the edges; caching
+#: moves about two more rows per vertex (the aggregate stored and loaded back,
+#: the own rows copied, against the plan's rows, own rows among them, loaded
+#: once): both scale with the row width, so the graph's average in-degree
+#: decides. On an H200, 2x256, one call each: products-like (26 edges per
+#: vertex) GIN 0.328 s recomputed against 0.384 s cached, SAGE 0.328 against
+#: 0.383; reddit-like (494) GIN 0.260 against 0.190, SAGE 0.261 against 0.156.
+#: cuSPARSE's product there (about 0.8 ps per edge and column) against 55 GB/s
+#: for 8 bytes more per vertex and column puts the break-even near 190.
+OWN_RECOMPUTE_BELOW_DEGREE = 128
+
+
+def resolved_checkpoint(checkpoint: str, own: bool, degree: float = 0.0) -> str:
     """``engine.checkpoint`` as a run applies it: ``auto`` out of core on a GPU
     where every chunk reads its own rows among its sources (``own``:
     :func:`own_rows_read`, not resident; on a CPU no link to spare and the
     aggregation again costs) recomputes the layers that read them (``"own"``:
     :meth:`~hongtu.nn.model.GNN.cached_layers`): their backward then loads the
     plan's rows, own rows among them, instead of the cached aggregate and a
-    copy of the own rows (products-like SAGE 2x256 0.328 against 0.383 s)."""
+    copy of the own rows — unless the graph's ``degree`` (edges per vertex)
+    makes aggregating again cost more (:data:`OWN_RECOMPUTE_BELOW_DEGREE`)."""
+    own = own and degree < OWN_RECOMPUTE_BELOW_DEGREE
     return "own" if checkpoint == "auto" and own else checkpoint
 
 
