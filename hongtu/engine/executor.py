@@ -760,8 +760,8 @@ class Executor:
             autograd graph of each chunk's update for the backward pass of
             the layers :func:`~hongtu.engine.budget.kept_graph_layers` names
             (SAGE, GIN, custom layers: as PyG keeps them), which then runs no
-            update again; their aggregates are not stored (their buffers stay
-            allocated). The Trainer asks
+            update again; their aggregates are not stored, and ``buffers`` may
+            leave them out (the Trainer does). The Trainer asks
             for it where the graphs fit the budget beside everything else
             (:func:`~hongtu.engine.budget.kept_graph_bytes`).
     """
@@ -915,6 +915,14 @@ class Executor:
         if lacking:
             raise ValueError(f"host buffers lack grad h^{lacking[0]}, which this executor "
                              "moves through host memory (BufferPlan.grads)")
+        # (an aggregate buffer may be left out only where the layer keeps its graph)
+        graphs = kept_graph_layers(model, self.cached, self.stored) \
+            if keep_graphs and self._direct else [False] * len(model.layers)
+        lacking = [l for l, s in enumerate(self.stored) if s and buffers.agg[l] is None
+                   and not graphs[l]]
+        if lacking:
+            raise ValueError(f"host buffers lack the aggregate of layer {lacking[0]}, which "
+                             "this executor stores for backward (BufferPlan.cached)")
         # Where whole layers keep their rows and gradients (element offsets);
         # h^m (h^1, or the last layer's) may stay from the forward pass before
         # its layer to that layer's.
@@ -1572,7 +1580,8 @@ class Executor:
         graph through the aggregation's transpose only)."""
         layer, mv = self.model.layers[l], self.mover
         v0, v1 = self.chunks.range(c)
-        agg = mv.fetch_range(self.buf.agg[l], v0, v1, "aux") if self.stored[l] else None
+        agg = mv.fetch_range(self.buf.agg[l], v0, v1, "aux") \
+            if self.stored[l] and self.buf.agg[l] is not None else None  # (none: graph kept)
         if self.cached[l] and l == 0 and not layer.needs_dst:
             return agg, self._blocks[c]
         return agg, self._fetch_block(c, Block.NOT_TRANSPOSED if self.cached[l] else ())
@@ -1600,7 +1609,7 @@ class Executor:
                     self._add_sources(l, q, block, gbuf, g)
             return
         x_dst = mv.take(dst).detach().requires_grad_(need_in) if dst is not None else None
-        a = mv.take(agg) if self.cached[l] else None
+        a = mv.take(agg) if agg is not None else None  # (none: not stored, or graph kept)
         graph = self._graphs.pop((l, c), None)
         with mv.timing("time_compute_s"), torch.enable_grad():
             if graph is not None:  # the update's graph, kept by the forward pass

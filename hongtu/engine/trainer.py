@@ -293,7 +293,9 @@ class Trainer:
                                            or self.estimate + graph_bytes <= self.room)
         self.graph_bytes = graph_bytes if keep_graphs else 0  # (counted in the estimate)
         self.estimate += self.graph_bytes
-        plan = BufferPlan(b - a, widths, stored, itemsize,
+        # (no aggregate buffer where the update's graph is kept)
+        aggregates = [s and not (keep_graphs and graphs[l]) for l, s in enumerate(stored)]
+        plan = BufferPlan(b - a, widths, aggregates, itemsize,
                           grads=[not k and not (l == 1 and into_first)
                                  for l, k in enumerate(hand.kept)])
         self.out(self._plan_text(plan, parts, chunks))

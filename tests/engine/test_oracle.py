@@ -289,25 +289,42 @@ def test_first_layer_aggregates_its_buffer_in_place(layer, parts, chunks, cache_
     torch.testing.assert_close(ex.buf.h[-1], plain.buf.h[-1], rtol=1e-5, atol=1e-6)
 
 
+def _one_part(chunks: int):
+    """The skewed case in one part of ``chunks`` chunks: ``(graph, chunks, plan)``."""
+    graph = CASES["skewed"](seed=5)
+    p = chunk_partition(graph, np.arange(graph.num_nodes) % 1, chunks, num_parts=1)
+    g = p.apply(graph)
+    _, plan = plan_batches(g.indptr, g.indices, p.chunk_ptr, 1, chunks)
+    return g, ChunkSet.build(g, p.chunk_ptr, 1, chunks), plan.plans[0]
+
+
 def test_executor_refuses_buffers_without_a_gradient_it_moves():
     """A host gradient buffer may be left out only where the executor keeps
     that gradient on the device (the Trainer leaves out no more)."""
-    graph = CASES["skewed"](seed=5)
     model = make_model("gcn")
-    p = chunk_partition(graph, np.arange(graph.num_nodes) % 1, 6, num_parts=1)
-    g = p.apply(graph)
-    cs = ChunkSet.build(g, p.chunk_ptr, 1, 6)
-    _, plan = plan_batches(g.indptr, g.indices, p.chunk_ptr, 1, 6)
+    g, cs, plan = _one_part(6)
     widths = model.row_widths()
     no_grads = BufferPlan(g.num_nodes, widths, model.stored_aggregates(), grads=[False] * 3)
 
     def make(whole: bool) -> Executor:
         return Executor(model, cs, HostBuffers(no_grads, g.x, pin=False), torch.from_numpy(g.y),
-                        masks_of(g), torch.device("cpu"), plan.plans[0], whole_layers=whole)
+                        masks_of(g), torch.device("cpu"), plan, whole_layers=whole)
 
     assert make(True)._kept == [False, True, True]  # (every layer whole: both stay there)
     with pytest.raises(ValueError, match="lack grad h"):
         make(False)
+
+
+def test_executor_refuses_buffers_without_an_aggregate_it_stores():
+    """A host aggregate buffer may be left out only where the executor keeps the
+    layer's update graph instead (resident on one device, ``keep_graphs``)."""
+    model = make_model("sage")
+    g, cs, plan = _one_part(3)
+    none = BufferPlan(g.num_nodes, model.row_widths(), [False, False])
+    assert model.stored_aggregates() == [True, True]
+    with pytest.raises(ValueError, match="lack the aggregate of layer 0"):
+        Executor(model, cs, HostBuffers(none, g.x, pin=False), torch.from_numpy(g.y),
+                 masks_of(g), torch.device("cpu"), plan, keep_graphs=True)
 
 
 class ReadingFinish(resolve_layer("gcn")):

@@ -63,11 +63,13 @@ def test_resident_keeps_update_graphs_where_they_fit(tmp_path, layer):
     a budget that holds all but the graphs it trains resident without them."""
     res = trainer(tmp_path / "a", "engine.accelerator=cuda", f"model.layer={layer}")
     assert res.resident and res.executor.kept_graphs == [0, 1] and res.graph_bytes > 0
+    assert res.executor.buf.agg == [None, None]  # (no aggregate stored: no buffer)
     buffers = res.budget - res.room
     tight = buffers + res.estimate - res.graph_bytes // 2
     less = trainer(tmp_path / "c", "engine.accelerator=cuda", f"model.layer={layer}",
                    f"engine.device_memory={tight}")
     assert less.resident and less.executor.kept_graphs == [] and less.graph_bytes == 0
+    assert all(t is not None for t in less.executor.buf.agg)
     ooc = trainer(tmp_path / "b", "engine.accelerator=cuda", f"model.layer={layer}",
                   "engine.resident=false", "engine.chunks=4")
     for e in range(3):
