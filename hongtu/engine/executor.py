@@ -840,7 +840,6 @@ class Executor:
             self._flush_rows = torch.empty((2, self._flush_piece, w0), dtype=self.dtype,
                                            device=device)
             self._flush_free = [None, None]  # (events: compute done with each)
-        self._keep_graphs = keep_graphs
         self._graphs: dict[tuple[int, int], tuple] = {}  # (layer, chunk): kept update
         self._held_by: dict[bool, tuple] = {}
         self._held = None
@@ -915,11 +914,12 @@ class Executor:
         if lacking:
             raise ValueError(f"host buffers lack grad h^{lacking[0]}, which this executor "
                              "moves through host memory (BufferPlan.grads)")
-        # (an aggregate buffer may be left out only where the layer keeps its graph)
-        graphs = kept_graph_layers(model, self.cached, self.stored) \
-            if keep_graphs and self._direct else [False] * len(model.layers)
+        # (an aggregate buffer may be left out only where the layer keeps its graph;
+        # which layers do is fixed here, as the Trainer sized the buffers)
+        self._graph_layers = kept_graph_layers(model, self.cached, self.stored) \
+            if keep_graphs else [False] * len(model.layers)
         lacking = [l for l, s in enumerate(self.stored) if s and buffers.agg[l] is None
-                   and not graphs[l]]
+                   and not (self._direct and self._graph_layers[l])]
         if lacking:
             raise ValueError(f"host buffers lack the aggregate of layer {lacking[0]}, which "
                              "this executor stores for backward (BufferPlan.cached)")
@@ -997,10 +997,7 @@ class Executor:
     def kept_graphs(self) -> list[int]:
         """Layers whose update graph a training forward pass keeps for backward
         (``keep_graphs``; resident on one device only)."""
-        if not (self._keep_graphs and self._direct):
-            return []
-        return [l for l, k in enumerate(kept_graph_layers(self.model, self.cached, self.stored))
-                if k]
+        return [l for l, k in enumerate(self._graph_layers) if k and self._direct]
 
     @property
     def first_in_flushes(self) -> bool:
