@@ -443,8 +443,9 @@ def test_kept_rows_come_before_resident_blocks():
 def test_kept_graph_bytes_cover_what_autograd_keeps(layer):
     """A resident run keeps the update graphs of the layers kept_graph_layers names
     (not GCN's, whose backward is written out); kept_graph_bytes counts at least
-    what autograd saves for each update with its output, here for one chunk of
-    1,000 rows in training (dropout on), every layer."""
+    what autograd saves for each update and what the executor holds beside it
+    (input, own rows, output), here for one chunk of 1,000 rows in training
+    (dropout on), every layer."""
     from hongtu.engine.executor import _Rows
 
     model = make_model(layer)
@@ -471,6 +472,9 @@ def test_kept_graph_bytes_cover_what_autograd_keeps(layer):
             out = model.step_update(l, _Rows(torch.arange(dst)), a, x, 1, 2)
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         held = sum(v for k, v in saved.items() if k not in params)
-        held += 0 if out.untyped_storage().data_ptr() in saved else out.numel() * 4
+        # (the executor holds the update's input and own rows, and its output, too)
+        for t in (a, x, out):
+            if t is not None and t.untyped_storage().data_ptr() not in saved:
+                held += t.numel() * 4
         one = [k == l for k in range(len(layers))]
         assert 0 < held <= kept_graph_bytes(model, sizes, 4, one), (l, held)
