@@ -503,8 +503,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     if gpu and not torch.cuda.is_available():
         notes.append("engine.accelerator=cuda on a machine without CUDA: planned as a GPU "
                      "run, with the GPU's fused kernels (Triton, as torch's CUDA builds ship)")
-    checkpoint = resolved_checkpoint(e.checkpoint, own_read and gpu,
-                                     graph.num_edges / max(graph.num_nodes, 1))
+    checkpoint = resolved_checkpoint(e.checkpoint, own_read and gpu, graph)
     cached = model.cached_layers(checkpoint)
     stored = model.stored_aggregates(checkpoint)
     once = reads_rows_once(model, checkpoint)

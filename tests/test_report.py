@@ -568,13 +568,16 @@ def test_own_rows_recomputed_only_below_the_degree(tmp_path, monkeypatch):
     """A GPU run out of core recomputes layers reading their own rows among their
     sources (checkpoint auto) only on graphs with fewer edges per vertex than
     OWN_RECOMPUTE_BELOW_DEGREE; the report plans it as training would."""
+    from types import SimpleNamespace
+
     from hongtu.engine import executor
     from hongtu.engine.executor import resolved_checkpoint
 
-    assert resolved_checkpoint("auto", True, 26.0) == "own"
-    assert resolved_checkpoint("auto", True, 494.0) == "auto"
-    assert resolved_checkpoint("auto", False, 26.0) == "auto"
-    assert resolved_checkpoint("recompute", True, 494.0) == "recompute"
+    sparse, dense = (SimpleNamespace(num_edges=d * 1000, num_nodes=1000) for d in (26, 494))
+    assert resolved_checkpoint("auto", True, sparse) == "own"
+    assert resolved_checkpoint("auto", True, dense) == "auto"
+    assert resolved_checkpoint("auto", False, sparse) == "auto"
+    assert resolved_checkpoint("recompute", True, dense) == "recompute"
     cfg = load_config(CONFIG, base(tmp_path, "engine.accelerator=cuda", "model.layer=sage"))
     graph = load_data(cfg)
     assert graph.num_edges / graph.num_nodes < executor.OWN_RECOMPUTE_BELOW_DEGREE

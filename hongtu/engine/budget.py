@@ -320,11 +320,11 @@ def kept_graph_bytes(model: GNN, sizes: ChunkSizes, itemsize: int, layers: list[
     intermediates (:meth:`~hongtu.nn.GNNLayer.extra_device_bytes`), its input
     and its output with the activation's."""
     widths, true = model.row_widths(), model.widths()
+    src, dst, e = sizes.num_src, sizes.num_dst, sizes.num_edges
     total = 0
     for l, layer in enumerate(model.layers):
         if not layers[l]:
             continue
-        src, dst, e = sizes.num_src, sizes.num_dst, sizes.num_edges
         out = max(widths[l + 1], true[l + 1])
         total += int((dst * (widths[l] + 2 * out) * itemsize).sum())
         total += sum(layer.extra_device_bytes(int(a), int(b), int(c), itemsize)

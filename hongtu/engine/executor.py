@@ -557,15 +557,16 @@ def own_rows_forward(model: GNN, whole: list[bool], own: bool,
 OWN_RECOMPUTE_BELOW_DEGREE = 128
 
 
-def resolved_checkpoint(checkpoint: str, own: bool, degree: float = 0.0) -> str:
+def resolved_checkpoint(checkpoint: str, own: bool, graph: Graph | None = None) -> str:
     """``engine.checkpoint`` as a run applies it: ``auto`` out of core on a GPU
     where every chunk reads its own rows among its sources (``own``:
     :func:`own_rows_read`, not resident; on a CPU no link to spare and the
     aggregation again costs) recomputes the layers that read them (``"own"``:
     :meth:`~hongtu.nn.model.GNN.cached_layers`): their backward then loads the
     plan's rows, own rows among them, instead of the cached aggregate and a
-    copy of the own rows — unless the graph's ``degree`` (edges per vertex)
-    makes aggregating again cost more (:data:`OWN_RECOMPUTE_BELOW_DEGREE`)."""
+    copy of the own rows — unless ``graph``'s edges per vertex make aggregating
+    again cost more (:data:`OWN_RECOMPUTE_BELOW_DEGREE`)."""
+    degree = 0.0 if graph is None else graph.num_edges / max(graph.num_nodes, 1)
     own = own and degree < OWN_RECOMPUTE_BELOW_DEGREE
     return "own" if checkpoint == "auto" and own else checkpoint
 

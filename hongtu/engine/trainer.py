@@ -180,8 +180,7 @@ class Trainer:
         # (out of core on a GPU, layers reading their own rows among their sources
         # recompute, where the graph is not dense)
         self.checkpoint_mode = resolved_checkpoint(
-            e.checkpoint, own_src and not self.resident and self.device.type == "cuda",
-            graph.num_edges / max(graph.num_nodes, 1))
+            e.checkpoint, own_src and not self.resident and self.device.type == "cuda", graph)
         cached = self.model.cached_layers(self.checkpoint_mode)
         stored = self.model.stored_aggregates(self.checkpoint_mode)  # host buffers of aggregates
         once = reads_rows_once(self.model, self.checkpoint_mode)  # (h^1 may stay on the device)
