@@ -151,15 +151,16 @@ def hongtu_run(key: str, mcfg: dict, system: str, budget: int | None, args, peak
         "model": mcfg,
         "train": {"epochs": args.epochs, "seed": 0},
         "engine": {"chunks": int(chunks) if chunks else "auto", "partitioner": "range",
-                   "device_memory": "auto" if (name == "resident" or not budget) else budget,
+                   "device_memory": (getattr(args, "resident_budget", None) or "auto")
+                   if name == "resident" else budget or "auto",
                    "cache_dir": str(Path(args.workdir) / "cache"),
                    **SYSTEMS[name]},
         "output": {"dir": str(Path(args.workdir) / "run")},
     })
     print(f"--- {system}", flush=True)
     cuda = torch.cuda.is_available()
-    cap = budget if (getattr(args, "cap", False) and cuda and budget and name != "resident") \
-        else None
+    mem = cfg.engine.device_memory  # (auto: the whole GPU)
+    cap = parse_size(mem) if getattr(args, "cap", False) and cuda and mem != "auto" else None
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_accumulated_memory_stats()
@@ -205,6 +206,7 @@ def _hongtu_epochs(cfg, args, peak, cap: int | None) -> dict:
     med = steady_median([r["epoch_s"] for r in recs], args.warmup)
     last = steady[-1]
     out = {"status": "ok", "chunks": tr.partition.num_chunks, "resident": tr.resident,
+           "kept_graphs": tr.executor.kept_graphs, "graph_bytes": tr.graph_bytes,
            "budget_bytes": cfg.engine.device_memory, "estimate_bytes": tr.estimate,
            "preprocess_s": tr.preprocess_s, **tr.setup_times, "other_split_s": tr.other_split,
            "pass_s": {k: steady_median(v, args.warmup) for k, v in passes.items()
@@ -374,9 +376,13 @@ def main() -> int:
                     help="out-of-core budget (bytes or e.g. 4.5GiB) instead of --fraction of "
                          "the in-memory need: to run hongtu systems at the budget of an "
                          "earlier run without running PyG again")
+    ap.add_argument("--resident-budget", default=None,
+                    help="resident runs' budget (bytes or e.g. 71GiB, as auto on an 80 GB "
+                         "GPU) instead of auto (90%% of this GPU's free memory)")
     ap.add_argument("--cap", action="store_true",
                     help="limit PyTorch's allocator to each hongtu run's budget, as on a GPU "
-                         "of that size (out of core only; a run needing more fails as OOM)")
+                         "of that size (a run needing more fails as OOM; resident runs only "
+                         "with --resident-budget)")
     ap.add_argument("--workdir", default="/tmp/hongtu_suite")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()

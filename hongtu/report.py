@@ -418,7 +418,7 @@ def _resident(cfg: Config, graph: Graph, assignment: np.ndarray, m: int, model, 
     """Would training keep every buffer on the GPU (``engine.resident``)? As the
     trainer decides (``chunkings``: as for :func:`_budget_and_chunks`); ``None``
     where it cannot tell (no GPU run, no budget, or ``engine.resident: false``)."""
-    from hongtu.engine.budget import choose_resident
+    from hongtu.engine.budget import choose_resident, kept_graph_need
     from hongtu.engine.buffers import BufferPlan
 
     e = cfg.engine
@@ -428,20 +428,66 @@ def _resident(cfg: Config, graph: Graph, assignment: np.ndarray, m: int, model, 
     rows = graph.num_nodes if e.devices == 1 else int(np.bincount(assignment, minlength=m).max())
     need = BufferPlan(rows, model.row_widths(), model.stored_aggregates(e.checkpoint),
                       itemsize).resident_bytes()
+    room_for = kept_graph_need(model, e.checkpoint, rows, itemsize, "cuda") \
+        if e.devices == 1 else 0  # (the update graphs, kept on one GPU only)
     try:
         yes, _, chunks = choose_resident(e.resident, budget, need, e.chunks, graph, assignment,
                                          m, model, itemsize, chunkings=chunkings,
-                                         overlap=e.overlap, device="cuda")
+                                         graphs_bytes=room_for, overlap=e.overlap,
+                                         device="cuda")
     except UserError as err:
         notes.append(f"training stops before its first epoch: {err}")
-        return {"resident": False, "buffers_bytes": need, "chunks": None}
+        return {"resident": False, "buffers_bytes": need, "chunks": None,
+                "kept_graph_layers": [], "kept_graph_bytes": 0}
+    graphs, graph_bytes = [], 0
     if yes:
         notes.append(f"resident: every buffer ({format_size(need)}) and the batches of "
                      f"{chunks} chunk(s) fit the {format_size(budget)} budget, so training "
                      "keeps them on the GPU and moves nothing over the host link "
                      f"(engine.resident={str(e.resident).lower()}); the plan below is what "
                      "engine.resident=false would move")
-    return {"resident": yes, "buffers_bytes": need, "chunks": chunks}
+        if e.devices == 1:
+            graphs, graph_bytes = _kept_graphs(cfg, graph, assignment, m, model, budget - need,
+                                               chunks, itemsize, chunkings, notes)
+    return {"resident": yes, "buffers_bytes": need, "chunks": chunks,
+            "kept_graph_layers": graphs, "kept_graph_bytes": graph_bytes}
+
+
+def _kept_graphs(cfg: Config, graph: Graph, assignment: np.ndarray, m: int, model, room: int,
+                 chunks: int, itemsize: int, chunkings, notes: list[str]) -> tuple[list[int], int]:
+    """Resident on one GPU, which layers keep their update's autograd graph from
+    forward to backward (``Executor(keep_graphs=True)``), as training decides
+    from the batches' estimate before its transfer plan (which may add a little)."""
+    from hongtu.engine.budget import (
+        Chunkings,
+        estimate_device_bytes,
+        kept_graph_bytes,
+        kept_graph_layers,
+        kept_graphs,
+    )
+
+    e = cfg.engine
+    cached, stored = model.cached_layers(e.checkpoint), model.stored_aggregates(e.checkpoint)
+    layers = kept_graph_layers(model, cached, stored)
+    if not any(layers):
+        return [], 0
+    _, sizes = (chunkings or Chunkings(graph, assignment, m)).get(chunks)
+    estimate = estimate_device_bytes(model, sizes, itemsize, num_nodes=graph.num_nodes,
+                                     overlap=e.overlap, resident=True, device="cuda")
+    kept, need = kept_graphs(model, sizes, itemsize, cached, stored, room, estimate, "cuda")
+    names = ", ".join(str(l) for l, k in enumerate(layers) if k)
+    if need:
+        notes.append(f"resident: the update graphs of layers {names} ({format_size(need)}) fit "
+                     "beside the batches, so training keeps them from forward to backward and "
+                     "runs those updates once per epoch, as PyG does; their aggregates are not "
+                     "stored")
+    else:
+        want = kept_graph_bytes(model, sizes, itemsize, layers, "cuda")
+        notes.append(f"resident: the update graphs of layers {names} ({format_size(want)}) do "
+                     f"not fit beside the batches ({format_size(max(room - estimate, 0))} "
+                     "left), so each backward pass runs those updates again; a larger "
+                     "engine.device_memory, or more engine.chunks, may keep them")
+    return [l for l, k in enumerate(kept) if k], need
 
 
 def build_report(cfg: Config, parts_list: list[int] | None = None,

@@ -512,13 +512,51 @@ def test_report_says_when_training_keeps_everything_on_the_gpu(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mib", ["69MiB", "70MiB", "72MiB"])
-def test_report_resident_is_trainings(tmp_path, mib):
-    cfg, d = gpu_report(tmp_path, f"engine.device_memory={mib}")
+@pytest.mark.parametrize("layer, mib", [("gcn", "69MiB"), ("gcn", "70MiB"), ("gcn", "72MiB"),
+                                        ("gin", "80MiB"), ("gin", "90MiB"), ("gin", "120MiB")])
+def test_report_resident_is_trainings(tmp_path, layer, mib):
+    """The report's resident verdict, chunk count and kept update graphs are
+    training's (GIN at 80 and 90 MiB keeps none, at 120 MiB keeps them)."""
+    cfg, d = gpu_report(tmp_path, f"engine.device_memory={mib}", f"model.layer={layer}")
     trainer = Trainer(cfg, out=lambda _: None)
-    assert d["engine"]["resident"]["resident"] == trainer.resident
+    res = d["engine"]["resident"]
+    assert res["resident"] == trainer.resident
     if trainer.resident:
-        assert d["engine"]["resident"]["chunks"] == trainer.partition.num_chunks
+        assert res["chunks"] == trainer.partition.num_chunks
+        assert res["kept_graph_layers"] == trainer.executor.kept_graphs
+        assert res["kept_graph_bytes"] == trainer.graph_bytes
+
+
+def test_report_says_which_update_graphs_a_resident_run_keeps(tmp_path, monkeypatch):
+    """Resident, GIN keeps its updates' graphs where they fit beside the batches
+    (120 MiB: at one chunk). Where the fewest chunks leave too little room, the
+    count grows until they fit only by one chunk per ROWS_PER_EXTRA_CHUNK
+    vertices: at 90 MiB 12 chunks would hold them and 2 the batches alone, so
+    this graph of 3,000 vertices trains at 2 without them, and the report says
+    why; allowed 10 more chunks it takes 12, allowed 7 it stays at 2. GCN with
+    ReLU writes its backward out and keeps none."""
+    import hongtu.engine.budget as budget
+
+    def resident(mib, layer="gin"):
+        _, d = gpu_report(tmp_path, f"engine.device_memory={mib}", f"model.layer={layer}")
+        return d["engine"]["resident"], [n for n in d["notes"]
+                                         if n.startswith("resident: the update graphs")]
+
+    for mib, kept, chunks in (("120MiB", True, 1), ("90MiB", False, 2)):
+        res, said = resident(mib)
+        assert res["resident"] and res["chunks"] == chunks, (mib, res)
+        assert (res["kept_graph_layers"] == [0, 1, 2]) == kept
+        assert (res["kept_graph_bytes"] > 0) == kept
+        assert len(said) == 1 and ("do not fit" in said[0]) != kept, said
+        assert "(13.53 MiB)" in said[0]
+    monkeypatch.setattr(budget, "ROWS_PER_EXTRA_CHUNK", 300)  # (3,000 // 300: 10 more)
+    res, said = resident("90MiB")
+    assert res["chunks"] == 12 and res["kept_graph_layers"] == [0, 1, 2], res
+    assert "do not fit" not in said[0]
+    monkeypatch.setattr(budget, "ROWS_PER_EXTRA_CHUNK", 400)  # (7 more)
+    assert resident("90MiB")[0]["chunks"] == 2
+    res, said = resident("120MiB", "gcn")
+    assert res["kept_graph_layers"] == [] and not said
 
 
 # ---------------------------------------------------------------- chunk counts

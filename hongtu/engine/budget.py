@@ -32,12 +32,12 @@ from hongtu.nn.model import GNN
 from hongtu.partition import Chunker, Partition
 from hongtu.partition._kernels import distinct_sources
 
-__all__ = ["AUTO_BUDGET_FRACTION", "CHUNK_CANDIDATES", "ChunkSizes", "Chunkings",
-           "check_device_budget", "choose_chunks", "choose_resident", "chunk_sizes",
+__all__ = ["AUTO_BUDGET_FRACTION", "CHUNK_CANDIDATES", "ROWS_PER_EXTRA_CHUNK", "ChunkSizes",
+           "Chunkings", "check_device_budget", "choose_chunks", "choose_resident", "chunk_sizes",
            "estimate_device_bytes", "first_layer_stores", "first_layer_whole_faster",
-           "grown_row_memory", "kept_graph_bytes", "kept_graph_layers", "leftover_bytes",
-           "resident_block_bytes", "row_memory", "slot_widths", "spare_rows",
-           "whole_layer_needs"]
+           "grown_row_memory", "kept_graph_bytes", "kept_graph_layers", "kept_graph_need",
+           "kept_graphs", "leftover_bytes", "resident_block_bytes", "row_memory", "slot_widths",
+           "spare_rows", "whole_layer_needs"]
 
 CHUNK_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512,
                     768, 1024, 1536, 2048, 4096)
@@ -314,22 +314,78 @@ def kept_graph_layers(model: GNN, cached: list[bool], stored: list[bool]) -> lis
             for l, (c, s) in enumerate(zip(cached, stored))]
 
 
-def kept_graph_bytes(model: GNN, sizes: ChunkSizes, itemsize: int, layers: list[bool]) -> int:
+def kept_graph_bytes(model: GNN, sizes: ChunkSizes, itemsize: int, layers: list[bool],
+                     device: str | None = None) -> int:
     """Device bytes of the update graphs of ``layers`` (:func:`kept_graph_layers`)
-    kept for every chunk from forward to backward: per chunk the layer's own
-    intermediates (:meth:`~hongtu.nn.GNNLayer.extra_device_bytes`), its input
-    and its output with the activation's."""
+    kept for every chunk from forward to backward in training, on ``device``
+    (``"cuda"``, ``"cpu"``; ``None``: this machine's, as
+    :func:`estimate_device_bytes`).
+
+    Per chunk and layer: the update's input and a copy of its own rows, which
+    the executor holds; its own rows dropped out, where the layer drops them;
+    what the update itself saves
+    (:meth:`~hongtu.nn.GNNLayer.update_saved_bytes`); and its output as the
+    engine emits it, with what the activation and the next layer's dropout
+    save for backward (an output-wide row more, but for ReLU without dropout;
+    a CPU's dropout keeps its boolean mask too) and ``z^{l+1}`` where the next
+    layer transforms first. Own rows dropped out are counted whether or not
+    the update saves them (GIN does not)."""
+    with ops.planning_for(device):
+        fused = itemsize == 4 and ops.fused_dropout()
     widths, true = model.row_widths(), model.widths()
-    src, dst, e = sizes.num_src, sizes.num_dst, sizes.num_edges
+    dst = sizes.num_dst.astype(np.int64)
+    last = model.num_layers - 1
+    drops = model.p > 0
     total = 0
     for l, layer in enumerate(model.layers):
         if not layers[l]:
             continue
-        out = max(widths[l + 1], true[l + 1])
-        total += int((dst * (widths[l] + 2 * out) * itemsize).sum())
-        total += sum(layer.extra_device_bytes(int(a), int(b), int(c), itemsize)
-                     for a, b, c in zip(src, dst, e))
+        w_in, out = widths[l], true[l + 1]
+        own = drops and layer.needs_dst and not model.keeps_dropped(l)
+        elements = w_in * (1 + layer.needs_dst + own)  # a, own rows' copy, dropped
+        masks = w_in if own and l > 0 and not fused else 0  # (bytes; saved where ∇x_dst is)
+        if l == last:
+            elements += out
+        elif drops and model.reads_as_kept(l + 1):  # σ's saved rows and drop(σ(out))
+            elements += 2 * out
+            masks += 0 if fused else out
+        else:  # σ(out): ReLU saves it, ELU its input as well
+            elements += out * (1 + (model.activation != "relu"))
+        if l < last and model.transforms_first(l + 1):  # z^{l+1}, from the rows above
+            elements += widths[l + 1]
+        total += int(dst.sum()) * (elements * itemsize + masks)
+        total += sum(layer.update_saved_bytes(int(d), itemsize) for d in dst)
     return total
+
+
+def kept_graph_need(model: GNN, checkpoint: str, rows: int, itemsize: int = 4,
+                    device: str | None = None) -> int:
+    """Bytes of the update graphs a resident run on one device keeps for ``rows``
+    vertices where they fit (:func:`kept_graph_bytes` of the layers
+    :func:`kept_graph_layers` names under ``engine.checkpoint``), whatever the
+    chunk count (to within a few bytes per chunk): what
+    :func:`choose_resident` leaves room for."""
+    layers = kept_graph_layers(model, model.cached_layers(checkpoint),
+                               model.stored_aggregates(checkpoint))
+    if not any(layers):
+        return 0
+    sizes = ChunkSizes(np.array([0]), np.array([rows]), np.array([0]))
+    return kept_graph_bytes(model, sizes, itemsize, layers, device)
+
+
+def kept_graphs(model: GNN, sizes: ChunkSizes, itemsize: int, cached: list[bool],
+                stored: list[bool], room: int | None, estimate: int,
+                device: str | None = None) -> tuple[list[bool], int]:
+    """The layers whose update graphs a resident run on one device keeps from
+    forward to backward, and their bytes (:func:`kept_graph_bytes`): all those
+    :func:`kept_graph_layers` names where they fit ``room`` (the budget the
+    buffers leave; ``None``: no budget) beside ``estimate`` (the batches'),
+    else none."""
+    layers = kept_graph_layers(model, cached, stored)
+    need = kept_graph_bytes(model, sizes, itemsize, layers, device) if any(layers) else 0
+    if need == 0 or (room is not None and estimate + need > room):
+        return [False] * len(layers), 0
+    return layers, need
 
 
 def check_device_budget(budget: int, free: int, total: int, device: str) -> None:
@@ -507,9 +563,25 @@ def choose_chunks(graph: Graph, assignment: np.ndarray, num_parts: int, model: G
         f"{format_size(least * 1.1)}, or lower model.hidden")
 
 
+#: Resident, a graph of this many vertices or more per chunk added keeps the
+#: updates' graphs at a larger chunk count (:func:`choose_resident`). Measured on
+#: an H200 with the allocator held to the budget: a resident chunk more cost
+#: 2-3.5 ms an epoch (R-MAT 2^22 GIN 2×256 at 4 and 8 chunks 0.160 and 0.172 s,
+#: SAGE at 2 and 8 0.117 and 0.138 s, products-like GIN at 6 and 12 0.115 and
+#: 0.128 s), and keeping the graphs saved about 8 (GIN) and 3 (SAGE) ns per
+#: vertex before it. Against the fewest chunks without graphs, on R-MAT 2^22
+#: (4.2M vertices: 6 chunks more allowed): GIN at 71 GiB 4 chunks 0.160 s
+#: against 2 0.186 s, at 65 GiB 6 0.166 against 0.186 s, at 60 GiB 12 (not
+#: taken) 0.183 against 0.186 s; SAGE at 71 GiB 2 0.117 against 1 0.127 s, at
+#: 50 GiB 8 0.137 against 2 0.141 s; products-like GIN (2.45M: 4 more) at 40
+#: GiB 6 0.115 against 2 0.124 s. Graphs of a few thousand vertices stay at
+#: their fewest chunks.
+ROWS_PER_EXTRA_CHUNK = 600_000
+
+
 def choose_resident(resident, budget: int | None, buffers_bytes: int, chunks, graph: Graph,
                     assignment: np.ndarray, num_parts: int, model: GNN, itemsize: int = 4,
-                    chunkings: Chunkings | None = None, **estimate
+                    chunkings: Chunkings | None = None, graphs_bytes: int = 0, **estimate
                     ) -> tuple[bool, int | None, int | None]:
     """Does every buffer live on the device (HongTu-IM), as ``engine.resident`` decides?
 
@@ -518,6 +590,12 @@ def choose_resident(resident, budget: int | None, buffers_bytes: int, chunks, gr
     the buffers leave) both fit ``budget`` (``resident``: ``"auto"``), or when
     asked (``True``). Only on a GPU: the caller passes ``resident=False``
     elsewhere. ``estimate``: further arguments of :func:`estimate_device_bytes`.
+
+    ``graphs_bytes``: the update graphs a resident run keeps where they fit
+    (:func:`kept_graph_need`). ``"auto"`` then takes the fewest chunks whose
+    batches leave room for them too, instead of the fewest whose batches fit
+    alone, where that adds at most one chunk per
+    :data:`ROWS_PER_EXTRA_CHUNK` vertices: smaller batches for graphs kept.
 
     Returns:
         ``(resident, budget left for the batches, chunks or None)``; out of core
@@ -532,6 +610,14 @@ def choose_resident(resident, budget: int | None, buffers_bytes: int, chunks, gr
             if chunks == "auto":
                 n, _ = choose_chunks(graph, assignment, num_parts, model, room, itemsize,
                                      chunkings=chunkings, resident=True, **estimate)
+                if 0 < graphs_bytes < room:  # (fewer rows a batch: room for the graphs)
+                    try:
+                        k, _ = choose_chunks(graph, assignment, num_parts, model,
+                                             room - graphs_bytes, itemsize,
+                                             chunkings=chunkings, resident=True, **estimate)
+                        n = k if k - n <= graph.num_nodes // ROWS_PER_EXTRA_CHUNK else n
+                    except UserError:
+                        pass
                 return True, room, n
             _, sizes = (chunkings or Chunkings(graph, assignment, num_parts)).get(chunks)
             if estimate_device_bytes(model, sizes, itemsize, num_nodes=graph.num_nodes,

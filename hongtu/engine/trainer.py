@@ -35,8 +35,8 @@ from hongtu.engine.budget import (
     choose_resident,
     estimate_device_bytes,
     grown_row_memory,
-    kept_graph_bytes,
-    kept_graph_layers,
+    kept_graph_need,
+    kept_graphs,
     leftover_bytes,
     resident_block_bytes,
     row_memory,
@@ -285,15 +285,12 @@ class Trainer:
             self.model, cached, hand.whole, hand.kept, own_src, self.resident and world == 1)
         # Resident on one device, updates whose backward autograd runs keep their
         # graph from forward to backward where the budget holds it (as PyG does).
-        graphs = kept_graph_layers(self.model, cached, stored) \
-            if self.resident and world == 1 else []
-        graph_bytes = kept_graph_bytes(self.model, sizes, itemsize, graphs) if any(graphs) else 0
-        keep_graphs = graph_bytes > 0 and (self.room is None
-                                           or self.estimate + graph_bytes <= self.room)
-        self.graph_bytes = graph_bytes if keep_graphs else 0  # (counted in the estimate)
-        self.estimate += self.graph_bytes
+        graphs, self.graph_bytes = kept_graphs(
+            self.model, sizes, itemsize, cached, stored, self.room, self.estimate,
+            self.device.type) if self.resident and world == 1 else ([False] * len(stored), 0)
+        self.estimate += self.graph_bytes  # (counted in the estimate)
         # (no aggregate buffer where the update's graph is kept)
-        aggregates = [s and not (keep_graphs and graphs[l]) for l, s in enumerate(stored)]
+        aggregates = [s and not g for s, g in zip(stored, graphs)]
         plan = BufferPlan(b - a, widths, aggregates, itemsize,
                           grads=[not k and not (l == 1 and into_first)
                                  for l, k in enumerate(hand.kept)])
@@ -319,7 +316,7 @@ class Trainer:
             row_elements=None if self.resident else row_elements,
             ordered_inputs=e.ordered_inputs and self.device.type == "cuda",
             ordered_rows=index_bytes is not None,
-            own_in_sources=own_src, first_in_flushes=into_first, keep_graphs=keep_graphs)
+            own_in_sources=own_src, first_in_flushes=into_first, keep_graphs=self.graph_bytes > 0)
         split["executor_s"] = time.perf_counter() - t
         ex, rows = self.executor, []
         if ex.whole_layers:
@@ -387,11 +384,14 @@ class Trainer:
             raise UserError("engine.resident=true keeps the buffers in GPU memory, but "
                             f"this run's device is {self.device.type}; set "
                             "engine.resident=auto")
-        return choose_resident(e.resident if self.device.type == "cuda" else False,
+        cuda = self.device.type == "cuda"
+        graphs = kept_graph_need(self.model, e.checkpoint, plan.num_nodes, itemsize, "cuda") \
+            if cuda and self.world == 1 else 0  # (kept on one device only)
+        return choose_resident(e.resident if cuda else False,
                                self.budget, plan.resident_bytes(), e.chunks, graph,
                                assignment, parts, self.model, itemsize,
-                               chunkings=self._chunkings, overlap=e.overlap,
-                               device=self.device.type)
+                               chunkings=self._chunkings, graphs_bytes=graphs,
+                               overlap=e.overlap, device=self.device.type)
 
     def _optimizer(self) -> torch.optim.Optimizer:
         t = self.cfg.train

@@ -72,6 +72,11 @@ class GIN(GNNLayer):
             raise ValueError("GIN needs the destinations' own rows (x_dst)")
         return self.mlp(a + (1 + self.eps) * x_dst)
 
+    def update_saved_bytes(self, num_dst: int, itemsize: int) -> int:
+        # The first Linear's input (the root sum), the ReLU's output (the second
+        # Linear's input too) and 1 + eps (the product saves it; x_dst is an input).
+        return (num_dst * (self.in_channels + self.hidden) + 1) * itemsize
+
     def extra_device_bytes(self, num_src: int, num_dst: int, num_edges: int,
                            itemsize: int) -> int:
         # Root sum, hidden pre- and post-activation, output.

@@ -212,6 +212,19 @@ class GNNLayer(nn.Module):
         """
         return 2 * num_dst * max(self.in_channels, self.out_width) * itemsize
 
+    def update_saved_bytes(self, num_dst: int, itemsize: int) -> int:
+        """Device bytes :meth:`update` on ``num_dst`` rows saves for its backward
+        under autograd, beyond its inputs ``a`` and ``x_dst``, its output and the
+        parameters: its intermediates (GIN: the MLP's input and hidden rows).
+
+        A resident run keeps them for every chunk from the forward to the
+        backward pass (``engine.resident``), and the memory planner counts them
+        to decide whether that fits. The default, :meth:`extra_device_bytes` of
+        a chunk with no sources or edges, bounds an update of a few row-wise
+        steps; a layer that knows what its update saves says so exactly.
+        """
+        return self.extra_device_bytes(0, num_dst, 0, itemsize)
+
     def extra_repr(self) -> str:
         return ""
 
