@@ -549,12 +549,17 @@ def own_rows_forward(model: GNN, whole: list[bool], own: bool,
 #: moves about two more rows per vertex (the aggregate stored and loaded back,
 #: the own rows copied, against the plan's rows, own rows among them, loaded
 #: once): both scale with the row width, so the graph's average in-degree
-#: decides. On an H200, 2x256, one call each: products-like (26 edges per
-#: vertex) GIN 0.328 s recomputed against 0.384 s cached, SAGE 0.328 against
-#: 0.383; reddit-like (494) GIN 0.260 against 0.190, SAGE 0.261 against 0.156.
-#: cuSPARSE's product there (about 0.8 ps per edge and column) against 55 GB/s
-#: for 8 bytes more per vertex and column puts the break-even near 190.
-OWN_RECOMPUTE_BELOW_DEGREE = 128
+#: decides. On an H200, 2x256, at a quarter of PyG's memory, recomputed against
+#: cached: products-like (26 edges per vertex) GIN 0.328 against 0.384 s, SAGE
+#: 0.328 against 0.383; R-MAT graphs with 128 features at 61 edges per vertex
+#: GIN 0.205 and 0.215 against 0.217 and 0.216 s, SAGE 0.212 and 0.209 against
+#: 0.218 and 0.219; at 101 GIN 0.199 and 0.153 against 0.165 and 0.157, SAGE
+#: 0.162 and 0.154 against 0.142 and 0.149; at 151 GIN 0.132
+#: and 0.129 against 0.118 and 0.126, SAGE 0.132 and 0.128 against 0.113 and
+#: 0.112; at 221 GIN 0.122 and 0.122 against 0.103 and 0.095; reddit-like (494)
+#: GIN 0.260 against 0.190, SAGE 0.261 against 0.156. The break-even lies near
+#: 100 (a cost model of cuSPARSE's product against the link had put it near 190).
+OWN_RECOMPUTE_BELOW_DEGREE = 100
 
 
 def resolved_checkpoint(checkpoint: str, own: bool, graph: Graph | None = None) -> str:
