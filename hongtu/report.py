@@ -434,7 +434,7 @@ def _resident(cfg: Config, graph: Graph, assignment: np.ndarray, m: int, model, 
         yes, _, chunks = choose_resident(e.resident, budget, need, e.chunks, graph, assignment,
                                          m, model, itemsize, chunkings=chunkings,
                                          graphs_bytes=room_for, overlap=e.overlap,
-                                         device="cuda")
+                                         device="cuda", direct=e.devices == 1)
     except UserError as err:
         notes.append(f"training stops before its first epoch: {err}")
         return {"resident": False, "buffers_bytes": need, "chunks": None,
@@ -473,7 +473,8 @@ def _kept_graphs(cfg: Config, graph: Graph, assignment: np.ndarray, m: int, mode
         return [], 0
     _, sizes = (chunkings or Chunkings(graph, assignment, m)).get(chunks)
     estimate = estimate_device_bytes(model, sizes, itemsize, num_nodes=graph.num_nodes,
-                                     overlap=e.overlap, resident=True, device="cuda")
+                                     overlap=e.overlap, resident=True, device="cuda",
+                                     direct=True)
     kept, need = kept_graphs(model, sizes, itemsize, cached, stored, room, estimate, "cuda")
     names = ", ".join(str(l) for l, k in enumerate(layers) if k)
     if need:

@@ -492,9 +492,9 @@ def test_report_says_when_training_keeps_everything_on_the_gpu(tmp_path):
     line training would stop with."""
     _, big = gpu_report(tmp_path, "engine.device_memory=70MiB")
     res = big["engine"]["resident"]
-    assert res["resident"] and res["chunks"] == 96
+    assert res["resident"] and res["chunks"] == 48
     assert res["buffers_bytes"] < parse_size("70MiB")
-    assert any(n.startswith("resident: every buffer") and "96 chunk(s)" in n
+    assert any(n.startswith("resident: every buffer") and "48 chunk(s)" in n
                for n in big["notes"])
     assert "resident: every buffer" in format_report(big)
     _, small = gpu_report(tmp_path, "engine.device_memory=69MiB")
@@ -531,9 +531,9 @@ def test_report_says_which_update_graphs_a_resident_run_keeps(tmp_path, monkeypa
     """Resident, GIN keeps its updates' graphs where they fit beside the batches
     (120 MiB: at one chunk). Where the fewest chunks leave too little room, the
     count grows until they fit only by one chunk per ROWS_PER_EXTRA_CHUNK
-    vertices: at 90 MiB 12 chunks would hold them and 2 the batches alone, so
-    this graph of 3,000 vertices trains at 2 without them, and the report says
-    why; allowed 10 more chunks it takes 12, allowed 7 it stays at 2. GCN with
+    vertices: at 90 MiB 6 chunks would hold them and 1 the batches alone, so
+    this graph of 3,000 vertices trains at 1 without them, and the report says
+    why; allowed 5 more chunks it takes 6, allowed 4 it stays at 1. GCN with
     ReLU writes its backward out and keeps none."""
     import hongtu.engine.budget as budget
 
@@ -542,19 +542,19 @@ def test_report_says_which_update_graphs_a_resident_run_keeps(tmp_path, monkeypa
         return d["engine"]["resident"], [n for n in d["notes"]
                                          if n.startswith("resident: the update graphs")]
 
-    for mib, kept, chunks in (("120MiB", True, 1), ("90MiB", False, 2)):
+    for mib, kept, chunks in (("120MiB", True, 1), ("90MiB", False, 1)):
         res, said = resident(mib)
         assert res["resident"] and res["chunks"] == chunks, (mib, res)
         assert (res["kept_graph_layers"] == [0, 1, 2]) == kept
         assert (res["kept_graph_bytes"] > 0) == kept
         assert len(said) == 1 and ("do not fit" in said[0]) != kept, said
         assert "(13.53 MiB)" in said[0]
-    monkeypatch.setattr(budget, "ROWS_PER_EXTRA_CHUNK", 300)  # (3,000 // 300: 10 more)
+    monkeypatch.setattr(budget, "ROWS_PER_EXTRA_CHUNK", 600)  # (3,000 // 600: 5 more)
     res, said = resident("90MiB")
-    assert res["chunks"] == 12 and res["kept_graph_layers"] == [0, 1, 2], res
+    assert res["chunks"] == 6 and res["kept_graph_layers"] == [0, 1, 2], res
     assert "do not fit" not in said[0]
-    monkeypatch.setattr(budget, "ROWS_PER_EXTRA_CHUNK", 400)  # (7 more)
-    assert resident("90MiB")[0]["chunks"] == 2
+    monkeypatch.setattr(budget, "ROWS_PER_EXTRA_CHUNK", 700)  # (4 more)
+    assert resident("90MiB")[0]["chunks"] == 1
     res, said = resident("120MiB", "gcn")
     assert res["kept_graph_layers"] == [] and not said
 

@@ -226,7 +226,7 @@ def estimate_device_bytes(model: GNN, sizes: ChunkSizes, itemsize: int = 4,
                           buffer_rows: int | None = None, overlap: bool = True,
                           load_rows: int | None = None, resident: bool = False,
                           copied_dst: list[bool] | None = None,
-                          device: str | None = None) -> int:
+                          device: str | None = None, direct: bool = False) -> int:
     """Estimated peak device bytes of training ``model`` chunk by chunk.
 
     Args:
@@ -249,19 +249,22 @@ def estimate_device_bytes(model: GNN, sizes: ChunkSizes, itemsize: int = 4,
             kernels decide which temporaries exist (a GPU's fused dropout makes
             no mask: :func:`~hongtu.nn.ops.planning_for`); ``None``: this
             machine's.
+        direct: resident in one process, where the executor reads the rows in
+            place and keeps no transition buffer or staging area (one row;
+            ``buffer_rows`` and ``load_rows`` are then not used).
     """
     with ops.planning_for(device):
         return _estimate(model, sizes, itemsize, training, num_nodes, buffer_rows, overlap,
-                         load_rows, resident, copied_dst)
+                         load_rows, resident, copied_dst, direct)
 
 
 def _estimate(model: GNN, sizes: ChunkSizes, itemsize: int, training: bool, num_nodes: int,
               buffer_rows: int | None, overlap: bool, load_rows: int | None, resident: bool,
-              copied_dst: list[bool] | None) -> int:
+              copied_dst: list[bool] | None, direct: bool = False) -> int:
     widths, true = model.row_widths(), model.widths()
     max_src, max_dst = int(sizes.num_src.max()), int(sizes.num_dst.max())
-    rows = max_src if buffer_rows is None else int(buffer_rows)
-    stage = (rows if load_rows is None else int(load_rows)) if overlap else 0
+    rows = 1 if direct else max_src if buffer_rows is None else int(buffer_rows)
+    stage = 0 if direct else (rows if load_rows is None else int(load_rows)) if overlap else 0
     ring = 0 if resident else (2 if overlap else 1)
     fixed = (row_memory(rows, widths, stage)
              + ring * max_dst * sum(slot_widths(model, copied_dst=copied_dst).values())) \
@@ -362,14 +365,18 @@ def kept_graph_need(model: GNN, checkpoint: str, rows: int, itemsize: int = 4,
                     device: str | None = None) -> int:
     """Bytes of the update graphs a resident run on one device keeps for ``rows``
     vertices where they fit (:func:`kept_graph_bytes` of the layers
-    :func:`kept_graph_layers` names under ``engine.checkpoint``), whatever the
-    chunk count (to within a few bytes per chunk): what
-    :func:`choose_resident` leaves room for."""
+    :func:`kept_graph_layers` names under ``engine.checkpoint``), at most
+    what any chunk count of :data:`CHUNK_CANDIDATES` holds (a layer may save
+    a few bytes per chunk: GIN's 1 + eps): what :func:`choose_resident` leaves
+    room for."""
     layers = kept_graph_layers(model, model.cached_layers(checkpoint),
                                model.stored_aggregates(checkpoint))
     if not any(layers):
         return 0
-    sizes = ChunkSizes(np.array([0]), np.array([rows]), np.array([0]))
+    most = max(CHUNK_CANDIDATES)
+    dst = np.zeros(most, dtype=np.int64)
+    dst[0] = rows
+    sizes = ChunkSizes(np.zeros(most, dtype=np.int64), dst, np.zeros(most, dtype=np.int64))
     return kept_graph_bytes(model, sizes, itemsize, layers, device)
 
 

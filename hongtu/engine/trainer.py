@@ -197,10 +197,11 @@ class Trainer:
         neighbours = self._chunkings.sets(chunks)
         del self._chunkings  # the chunkings tried for the chunk count
         partition_s = time.perf_counter() - t_part
+        direct = self.resident and world == 1  # (rows read in place: no transition buffer)
         self.estimate = estimate_device_bytes(self.model, sizes, itemsize,
                                               num_nodes=graph.num_nodes, overlap=e.overlap,
                                               resident=self.resident, copied_dst=copied,
-                                              device=self.device.type)
+                                              device=self.device.type, direct=direct)
         if self.room is not None and self.estimate > self.room:
             raise UserError(f"engine.chunks={chunks} needs about {format_size(self.estimate)} "
                             f"on the device but engine.device_memory is "
@@ -222,7 +223,7 @@ class Trainer:
             return estimate_device_bytes(
                 self.model, sizes, itemsize, num_nodes=b - a, buffer_rows=dplan.buffer_rows,
                 overlap=e.overlap, load_rows=dplan.max_later_load, resident=self.resident,
-                copied_dst=copied, device=self.device.type)
+                copied_dst=copied, device=self.device.type, direct=direct)
 
         blocks = resident_block_bytes(sizes, itemsize)
         if neighbours is None:  # (their sizes are the sources the count was chosen by)
@@ -391,7 +392,8 @@ class Trainer:
                                self.budget, plan.resident_bytes(), e.chunks, graph,
                                assignment, parts, self.model, itemsize,
                                chunkings=self._chunkings, graphs_bytes=graphs,
-                               overlap=e.overlap, device=self.device.type)
+                               overlap=e.overlap, device=self.device.type,
+                               direct=self.world == 1)
 
     def _optimizer(self) -> torch.optim.Optimizer:
         t = self.cfg.train
