@@ -581,8 +581,9 @@ def choose_chunks(graph: Graph, assignment: np.ndarray, num_parts: int, model: G
 #: against 2 0.186 s, at 65 GiB 6 0.166 against 0.186 s, at 60 GiB 12 (not
 #: taken) 0.183 against 0.186 s; SAGE at 71 GiB 2 0.117 against 1 0.127 s, at
 #: 50 GiB 8 0.137 against 2 0.141 s; products-like GIN (2.45M: 4 more) at 40
-#: GiB 6 0.115 against 2 0.124 s. Graphs of a few thousand vertices stay at
-#: their fewest chunks.
+#: GiB 6 0.115 against 2 0.124 s (these counts with the resident estimate of
+#: the time, which still counted a transition buffer: ``bench/HISTORY.md``).
+#: Graphs of a few thousand vertices stay at their fewest chunks.
 ROWS_PER_EXTRA_CHUNK = 600_000
 
 
