@@ -425,16 +425,17 @@ def _resident(cfg: Config, graph: Graph, assignment: np.ndarray, m: int, model, 
     if not gpu or budget is None or e.resident is False:
         return None
     # (each process holds its own part's rows; the largest part decides)
-    rows = graph.num_nodes if e.devices == 1 else int(np.bincount(assignment, minlength=m).max())
+    one = e.devices == 1  # (one process: rows read in place, update graphs may be kept)
+    rows = graph.num_nodes if one else int(np.bincount(assignment, minlength=m).max())
     need = BufferPlan(rows, model.row_widths(), model.stored_aggregates(e.checkpoint),
                       itemsize).resident_bytes()
     room_for = kept_graph_need(model, e.checkpoint, rows, itemsize, "cuda") \
-        if e.devices == 1 else 0  # (the update graphs, kept on one GPU only)
+        if one else 0  # (the update graphs)
     try:
         yes, _, chunks = choose_resident(e.resident, budget, need, e.chunks, graph, assignment,
                                          m, model, itemsize, chunkings=chunkings,
                                          graphs_bytes=room_for, overlap=e.overlap,
-                                         device="cuda", direct=e.devices == 1)
+                                         device="cuda", direct=one)
     except UserError as err:
         notes.append(f"training stops before its first epoch: {err}")
         return {"resident": False, "buffers_bytes": need, "chunks": None,
@@ -446,7 +447,7 @@ def _resident(cfg: Config, graph: Graph, assignment: np.ndarray, m: int, model, 
                      "keeps them on the GPU and moves nothing over the host link "
                      f"(engine.resident={str(e.resident).lower()}); the plan below is what "
                      "engine.resident=false would move")
-        if e.devices == 1:
+        if one:
             graphs, graph_bytes = _kept_graphs(cfg, graph, assignment, m, model, budget - need,
                                                chunks, itemsize, chunkings, notes)
     return {"resident": yes, "buffers_bytes": need, "chunks": chunks,

@@ -197,7 +197,9 @@ class Trainer:
         neighbours = self._chunkings.sets(chunks)
         del self._chunkings  # the chunkings tried for the chunk count
         partition_s = time.perf_counter() - t_part
-        direct = self.resident and world == 1  # (rows read in place: no transition buffer)
+        # (resident in one process: rows read in place, no transition buffer; the
+        # executor's direct mode, where update graphs may be kept)
+        direct = self.resident and world == 1
         self.estimate = estimate_device_bytes(self.model, sizes, itemsize,
                                               num_nodes=graph.num_nodes, overlap=e.overlap,
                                               resident=self.resident, copied_dst=copied,
@@ -283,12 +285,12 @@ class Trainer:
                              overlapped=overlapped)
         # nor ∇h^1 where layer 1's backward runs the first layer's on its flushes
         into_first = self.device.type == "cuda" and first_backward_in_flushes(
-            self.model, cached, hand.whole, hand.kept, own_src, self.resident and world == 1)
+            self.model, cached, hand.whole, hand.kept, own_src, direct)
         # Resident on one device, updates whose backward autograd runs keep their
         # graph from forward to backward where the budget holds it (as PyG does).
         graphs, self.graph_bytes = kept_graphs(
             self.model, sizes, itemsize, cached, stored, self.room, self.estimate,
-            self.device.type) if self.resident and world == 1 else ([False] * len(stored), 0)
+            self.device.type) if direct else ([False] * len(stored), 0)
         self.estimate += self.graph_bytes  # (counted in the estimate)
         # (no aggregate buffer where the update's graph is kept)
         aggregates = [s and not g for s, g in zip(stored, graphs)]
