@@ -805,11 +805,9 @@ def test_evaluation_matches_full_graph_logits(layer, whole):
         assert res.total[split] == int(m.sum())
 
 
-@pytest.mark.parametrize("layer", LAYERS)
-@pytest.mark.parametrize("chunks", [1, 3])
-def test_resident_arithmetic_on_cpu(layer, chunks, monkeypatch):
-    """The resident path (chunks read h^l and add into ∇h^l in place, no transition
-    buffer) checked on CPU: the executor is told its buffers are resident."""
+def _as_resident(monkeypatch) -> None:
+    """Executors built from here on take their CPU buffers for resident ones (chunks
+    read h^l and add into ∇h^l in place), as a resident executor has its paths."""
     orig = Executor.__init__
 
     def resident_init(self, *a, **kw):
@@ -820,6 +818,14 @@ def test_resident_arithmetic_on_cpu(layer, chunks, monkeypatch):
         self._in_place = self._in_slots = [False] * len(self._whole)
 
     monkeypatch.setattr(Executor, "__init__", resident_init)
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_resident_arithmetic_on_cpu(layer, chunks, monkeypatch):
+    """The resident path (chunks read h^l and add into ∇h^l in place, no transition
+    buffer) checked on CPU: the executor is told its buffers are resident."""
+    _as_resident(monkeypatch)
     graph = CASES["skewed"](seed=6)
     model = make_model(layer)
     res, g, _ = chunked_step(model, graph, 1, chunks, "auto")
@@ -840,16 +846,7 @@ def test_resident_kept_update_graphs_equal_full_graph(layer, chunks, monkeypatch
     """Resident, with the updates' autograd graphs kept from forward to backward
     (``keep_graphs``, checked on CPU as above): the same step, those layers run no
     update again in backward and store no aggregate, and no graph is left."""
-    orig = Executor.__init__
-
-    def resident_init(self, *a, **kw):
-        orig(self, *a, **kw)
-        self._direct = self.resident = True
-        self._whole = [False] * len(self._whole)
-        self._first_in_slots = self._in_flushes = False
-        self._in_place = self._in_slots = [False] * len(self._whole)
-
-    monkeypatch.setattr(Executor, "__init__", resident_init)
+    _as_resident(monkeypatch)
     again, stored = [], []
     update_backward, store_range = executor._update_backward, Mover.store_range
     monkeypatch.setattr(executor, "_update_backward",
