@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 from bench_suite import MODELS, SYSTEMS, WORKLOADS, make_graph, model_cfg, warm_up
-from common import RESULTS, device_name, file_tag, pinned_copy_peak
+from common import RESULTS, device_name, file_tag, pass_names, pinned_copy_peak
 
 from hongtu.config import config_from_dict, parse_size
 from hongtu.engine.trainer import Trainer
@@ -221,8 +221,7 @@ def main() -> int:
         epochs.append(tr.run_epoch(e, evaluate=False))
     last = epochs[-1]
     rows = passes(mv.timeline, mv.pass_bytes, (last["h2d_bytes"], last["d2h_bytes"]), peak)
-    names = ([f"forward L{l}" for l in range(tr.model.num_layers)]
-             + [f"backward L{l}" for l in reversed(range(tr.model.num_layers))])
+    names = pass_names(tr.model.num_layers)
     result = {"device": device_name(), "workload": args.workload, "model": args.model,
               "system": args.system,
               "run_at": time.strftime("%Y-%m-%d %H:%M"), "budget_bytes": parse_size(budget),

@@ -37,6 +37,14 @@ def file_tag(name: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in name).strip("-").lower()
 
 
+def pass_names(num_layers: int) -> list[str]:
+    """Names of an epoch's layer passes in the order they run (forward L0, L1, ...,
+    then backward from the last layer; a run without the first layer's backward
+    pass has one name fewer, the last)."""
+    return ([f"forward L{l}" for l in range(num_layers)]
+            + [f"backward L{l}" for l in reversed(range(num_layers))])
+
+
 def pinned_copy_peak(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> dict:
     """Measured pinned host<->device copy rates (bytes/s), median of ``repeats``:
     each direction alone (``h2d``, ``d2h``), and both at once on two streams
