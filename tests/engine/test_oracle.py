@@ -12,6 +12,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+from torch import Tensor
 
 from hongtu.engine import BufferPlan, ChunkSet, Executor, HostBuffers, budget, executor
 from hongtu.engine.transfer import BLOCK_LAYOUT, Mover
@@ -25,6 +26,9 @@ from tests.cases import CASES, NUM_CLASSES, NUM_FEATURES
 
 LAYERS = ["gcn", "sage", "gin", "gat", "examples.edge_weighted_conv:EdgeWeightedConv"]
 RTOL = 1e-5
+#: a chunked step sums over chunks in another order than the plain step: where
+#: float32 rounding alone takes the plain step near RTOL, this many times its error
+FP32_SLACK = 4.0
 
 
 def make_model(layer: str, seed: int = 0, dropout: float = 0.5,
@@ -92,29 +96,56 @@ def held(ex: Executor) -> int:
     return executor.held_rows(ex.transfer_plan.plans[0]) if ex._hold else 0
 
 
-def reference_step(model: GNN, g, epoch: int = 3):
-    """Plain in-memory full-graph loss and gradients in float64 (every layer
-    drops out and aggregates h, whatever the model's transform_first and
-    keep_dropped)."""
-    ref = copy.deepcopy(model).double().cpu()
+class Reference(dict):
+    """Parameter gradients of :func:`reference_step` (float64), and in
+    ``fp32_error`` the relative error that the same plain in-memory step in
+    float32 makes in each."""
+
+    fp32_error: dict[str, float]
+
+
+def _plain_step(model: GNN, g, epoch: int, dtype: torch.dtype) -> tuple[float, dict]:
+    ref = copy.deepcopy(model).to(dtype).cpu()
     ref.transform_first = ref.keep_dropped = False
     ref.zero_grad(set_to_none=True)
     ref.train()
-    block = build_block(g.indptr, g.indices, g.in_degree(), 0, g.num_nodes, torch.float64,
+    block = build_block(g.indptr, g.indices, g.in_degree(), 0, g.num_nodes, dtype,
                         src_ids=np.arange(g.num_nodes))
     seeds = [layer_seed(0, epoch, l) for l in range(ref.num_layers)]
-    loss = reference_loss(ref, block, torch.from_numpy(g.x).double(), torch.from_numpy(g.y),
+    loss = reference_loss(ref, block, torch.from_numpy(g.x).to(dtype), torch.from_numpy(g.y),
                           torch.from_numpy(g.train_mask), seeds)
     loss.backward()
     return loss.item(), {n: p.grad for n, p in ref.named_parameters()}
 
 
+def reference_step(model: GNN, g, epoch: int = 3):
+    """Plain in-memory full-graph loss and gradients in float64 (every layer
+    drops out and aggregates h, whatever the model's transform_first and
+    keep_dropped), as ``(loss, Reference)``."""
+    loss, grads = _plain_step(model, g, epoch, torch.float64)
+    ref = Reference(grads)
+    _, single = _plain_step(model, g, epoch, torch.float32)
+    ref.fp32_error = {n: _relative_error(single[n], r) for n, r in grads.items()
+                      if single.get(n) is not None and r is not None}
+    return loss, ref
+
+
+def _relative_error(g: Tensor, r: Tensor) -> float:
+    return float((g.double().cpu() - r).norm() / r.norm().clamp(min=1e-30))
+
+
 def assert_matches(model: GNN, loss: float, ref_loss: float, ref_grads: dict) -> None:
+    """Loss and every parameter gradient within :data:`RTOL` of the float64
+    reference, or, for a gradient whose float32 rounding alone comes near that
+    (GAT's ``att_dst``: the softmax over a destination's edges cancels its
+    term but for LeakyReLU's kink, so what is left is small), within
+    :data:`FP32_SLACK` times the error of the plain in-memory float32 step."""
     assert abs(loss - ref_loss) <= RTOL * abs(ref_loss), (loss, ref_loss)
+    fp32 = getattr(ref_grads, "fp32_error", {})
     for name, p in model.named_parameters():
-        g, r = p.grad.double().cpu(), ref_grads[name]
-        err = float((g - r).norm() / r.norm().clamp(min=1e-30))
-        assert err <= RTOL, f"{name}: relative error {err:.2e}"
+        err = _relative_error(p.grad, ref_grads[name])
+        limit = max(RTOL, FP32_SLACK * fp32.get(name, 0.0))
+        assert err <= limit, f"{name}: relative error {err:.2e} (limit {limit:.2e})"
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
