@@ -229,8 +229,8 @@ def _block_bytes(model, s: _Setting, cached: list[bool], num_nodes: int, itemsiz
     """Per layer, the bytes of the chunks' blocks its forward and its backward pass
     copy to the device (as the executor fetches them: a forward pass without the
     transpose unless the layer reads it, a cached layer's backward without the
-    forward edges, none for a cached first layer reading no own rows or one run
-    on layer 1's flushes); ``None`` where the blocks stay on the device."""
+    forward edges, none for a cached first layer or one run on layer 1's
+    flushes); ``None`` where the blocks stay on the device."""
     from hongtu.engine.transfer import block_copy_bytes
     from hongtu.nn.block import Block
 
@@ -246,7 +246,7 @@ def _block_bytes(model, s: _Setting, cached: list[bool], num_nodes: int, itemsiz
     out = []
     for l, layer in enumerate(model.layers):
         fwd = total(() if layer.reads_transpose else Block.TRANSPOSE)
-        none = l == 0 and (into_first or (cached[0] and not layer.needs_dst))
+        none = l == 0 and (into_first or cached[0])
         out.append((fwd, 0 if none else total(Block.NOT_TRANSPOSED if cached[l] else ())))
     return out
 

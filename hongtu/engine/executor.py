@@ -1577,15 +1577,16 @@ class Executor:
 
     def _backward_reads(self, l: int, c: int) -> tuple:
         """Layer ``l``'s backward reads of chunk ``c`` that no pass before it in
-        backward writes: its cached aggregate and its block (a cached layer
-        whose inputs need no gradient recomputes only its update, which reads
-        no graph: its blocks stay in host memory; other cached layers read the
-        graph through the aggregation's transpose only)."""
-        layer, mv = self.model.layers[l], self.mover
+        backward writes: its cached aggregate and its block (a cached first
+        layer, whose inputs need no gradient, recomputes only its update, which
+        reads no graph, its own rows coming as a range: its blocks stay in host
+        memory; other cached layers read the graph through the aggregation's
+        transpose only)."""
+        mv = self.mover
         v0, v1 = self.chunks.range(c)
         agg = mv.fetch_range(self.buf.agg[l], v0, v1, "aux") \
             if self.stored[l] and self.buf.agg[l] is not None else None  # (none: graph kept)
-        if self.cached[l] and l == 0 and not layer.needs_dst:
+        if self.cached[l] and l == 0:
             return agg, self._blocks[c]
         return agg, self._fetch_block(c, Block.NOT_TRANSPOSED if self.cached[l] else ())
 

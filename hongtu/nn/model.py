@@ -215,7 +215,7 @@ class GNN(nn.Module):
             out = layer.finish(a)
         else:
             xd = None if x_dst is None else x_dst if dst_dropped else \
-                self._drop_input(l, x_dst, block.dst_ids(), seed)
+                self._drop_input(l, x_dst, block.dst_ids(x_dst.device), seed)
             out = layer.update(a, xd)
         return self._emit(l, out, block, next_seed)
 
