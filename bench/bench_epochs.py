@@ -5,7 +5,11 @@ one process and records, per epoch: its time, the host time of each layer pass
 (how long this thread took to issue it, waits included), the garbage
 collector's runs and time, the caching allocator's device allocations, frees
 and retries, and the memory it holds. ``--no-gc`` runs with the collector off
-(after one collection, and freezing what is left).
+(after one collection, and freezing what is left). ``--profile N`` runs the
+last ``N`` epochs under ``cProfile`` and keeps the functions that took this
+thread longest (own time, and time with their callees): where the host's time
+to issue a pass goes, waits on the device included (they show as the waiting
+call's own time); the profiler's own cost inflates those epochs.
 
 Run (GPU machine)::
 
@@ -21,9 +25,11 @@ epoch and writes ``bench/results/epochs_<workload>_<model>[_<tag>]_<device>.json
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
 import os
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -53,6 +59,21 @@ class _Collector:
             self.runs += 1
 
 
+def _top_functions(profiler: cProfile.Profile, epochs: int, top: int = 60) -> dict:
+    """The profiled functions that took longest, per profiled epoch: by own time
+    and by time with their callees."""
+    stats = pstats.Stats(profiler).stats
+    rows = []
+    for (path, line, name), (_, calls, own, cum, _) in stats.items():
+        where = name if path == "~" else f"{Path(path).name}:{line}({name})"
+        rows.append({"function": where, "calls_per_epoch": calls / epochs,
+                     "own_ms_per_epoch": own * 1e3 / epochs,
+                     "cum_ms_per_epoch": cum * 1e3 / epochs})
+    return {"epochs": epochs,
+            "by_own_time": sorted(rows, key=lambda r: -r["own_ms_per_epoch"])[:top],
+            "by_cum_time": sorted(rows, key=lambda r: -r["cum_ms_per_epoch"])[:top]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("workload", choices=sorted(WORKLOADS))
@@ -60,6 +81,8 @@ def main() -> int:
     ap.add_argument("--budget", required=True, help="device budget (bytes or e.g. 2.5GiB)")
     ap.add_argument("--epochs", type=int, default=14)
     ap.add_argument("--no-gc", action="store_true", help="train with the garbage collector off")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="run the last N epochs under cProfile and keep its top functions")
     ap.add_argument("--tag", default="", help="added to the file name (runs side by side)")
     ap.add_argument("--workdir", default="/tmp/hongtu_epochs")
     ap.add_argument("--out", default=str(RESULTS))
@@ -96,12 +119,18 @@ def main() -> int:
 
     Executor._run_pass = timed_pass
     epochs = []
+    profiler = cProfile.Profile() if args.profile > 0 else None
     try:
         for e in range(args.epochs):
             s0, runs, secs = torch.cuda.memory_stats(), collector.runs, collector.seconds
             host_ms.clear()
+            profiled = profiler is not None and e >= args.epochs - args.profile
             started = time.time()
+            if profiled:
+                profiler.enable()
             rec = tr.run_epoch(e, evaluate=False)
+            if profiled:
+                profiler.disable()
             s1 = torch.cuda.memory_stats()
 
             def delta(key, s0=s0, s1=s1):
@@ -114,7 +143,7 @@ def main() -> int:
                 "device_allocs": delta("num_device_alloc"),
                 "device_frees": delta("num_device_free"),
                 "alloc_retries": delta("num_alloc_retries"),
-                "reserved_bytes": torch.cuda.memory_reserved(),
+                "reserved_bytes": torch.cuda.memory_reserved(), "profiled": profiled,
                 "load_average": os.getloadavg()[0]})
             r = epochs[-1]
             print(f"epoch {e:>3}  {r['epoch_s']:.4f} s  host passes "
@@ -130,6 +159,11 @@ def main() -> int:
               "run_at": time.strftime("%Y-%m-%d %H:%M"), "budget_bytes": parse_size(args.budget),
               "chunks": tr.partition.num_chunks, "gc": not args.no_gc,
               "passes": names, "epochs": epochs}
+    if profiler is not None:
+        result["profile"] = _top_functions(profiler, min(args.profile, args.epochs))
+        for row in result["profile"]["by_own_time"][:25]:
+            print(f"{row['own_ms_per_epoch']:8.2f} own {row['cum_ms_per_epoch']:8.2f} cum "
+                  f"ms/epoch {row['calls_per_epoch']:8.1f} calls  {row['function']}")
     tag = f"_{args.tag}" if args.tag else ""
     name = f"epochs_{args.workload}_{args.model}{tag}_{file_tag(device_name())}.json"
     out = Path(args.out) / name
