@@ -309,11 +309,11 @@ AUTO_BUDGET_FRACTION = 0.9
 def kept_graph_layers(model: GNN, cached: list[bool], stored: list[bool]) -> list[bool]:
     """Layers whose update a resident run may keep under autograd from forward to
     backward instead of running it again (``Executor(keep_graphs=True)``): cached
-    ones with a stored aggregate whose update's backward is autograd's
-    (:meth:`~hongtu.nn.GNN.writes_update_backward` is false: SAGE, GIN, custom
+    ones with a stored aggregate whose update is not one linear map written out
+    (:meth:`~hongtu.nn.GNN.writes_linear_backward` is false: SAGE, GIN, custom
     layers), as PyG keeps them; GCN's written-out backward recomputes only
-    its one product."""
-    return [c and s and not model.writes_update_backward(l)
+    its one product, where the others' would recompute their whole update."""
+    return [c and s and not model.writes_linear_backward(l)
             for l, (c, s) in enumerate(zip(cached, stored))]
 
 

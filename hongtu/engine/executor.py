@@ -1734,11 +1734,11 @@ def _update_backward(model: GNN, l: int, block, a: Tensor, x_dst: Tensor | None,
     """The backward of layer ``l``'s update at its aggregate ``a`` (and own rows
     ``x_dst``) for ``grad``: its products written out where the model may
     (:meth:`GNN.update_backward`), else through autograd; ``∇a`` with
-    ``need_in``, else ``None``."""
-    if x_dst is None:
-        done, g_a = model.update_backward(l, block, a, grad, nxt, need_in)
-        if done:
-            return g_a
+    ``need_in``, else ``None`` (``∇x_dst`` into ``x_dst.grad`` where it
+    requires one)."""
+    done, g_a = model.update_backward(l, block, a, grad, nxt, need_in, x_dst, seed)
+    if done:
+        return g_a
     a = a.detach().requires_grad_(need_in)
     with torch.enable_grad():
         _backward(model.step_update(l, block, a, x_dst, seed, nxt), grad)

@@ -3,8 +3,10 @@ r"""Graph isomorphism network (Xu et al., ICLR 2019)."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hongtu.nn import ops
 from hongtu.nn.layer import GNNLayer
 
 __all__ = ["GIN"]
@@ -71,6 +73,26 @@ class GIN(GNNLayer):
         if x_dst is None:
             raise ValueError("GIN needs the destinations' own rows (x_dst)")
         return self.mlp(a + (1 + self.eps) * x_dst)
+
+    def update_vjp(self, a: Tensor, x_dst: Tensor | None):
+        lin1, act, lin2 = (self.mlp[i] if len(self.mlp) == 3 else None for i in range(3))
+        if (x_dst is None or self.eps.requires_grad or type(lin1) is not nn.Linear
+                or type(act) is not nn.ReLU or type(lin2) is not nn.Linear
+                or any(m._forward_hooks or m._forward_pre_hooks for m in self.mlp.modules())):
+            return None  # (autograd: a trainable eps, an MLP of another shape, hooks)
+        scale = 1 + self.eps
+        s = a + scale * x_dst
+        r = torch.relu(F.linear(s, lin1.weight, lin1.bias))
+        out = F.linear(r, lin2.weight, lin2.bias)
+
+        def backward(grad: Tensor, need_a: bool, need_x: bool):
+            g = ops.add_linear_grads(r, lin2.weight, lin2.bias, grad, True)
+            g = ops.add_linear_grads(s, lin1.weight, lin1.bias,
+                                     torch.ops.aten.threshold_backward(g, r, 0),
+                                     need_a or need_x)
+            return (g if need_a else None), (g * scale if need_x else None)
+
+        return out, backward
 
     def update_saved_bytes(self, num_dst: int, itemsize: int) -> int:
         # The first Linear's input (the root sum), the ReLU's output (the second

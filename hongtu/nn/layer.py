@@ -36,6 +36,11 @@ from hongtu.nn.block import Block
 __all__ = ["GNNLayer"]
 
 
+def grad_hooked(t: Tensor) -> bool:
+    """Whether a tensor has gradient hooks (a backward written out would skip them)."""
+    return bool(t._backward_hooks or getattr(t, "_post_accumulate_grad_hooks", None))
+
+
 class GNNLayer(nn.Module):
     r"""Base class of every hongtu layer.
 
@@ -147,6 +152,38 @@ class GNNLayer(nn.Module):
         autograd.
         """
         return None
+
+    def update_vjp(self, a: Tensor, x_dst: Tensor | None):
+        """Optional: :meth:`update` with its backward written out, as
+        ``torch.func.vjp`` pairs them: ``(out, backward)``, ``out`` the values
+        ``update(a, x_dst)`` gives and ``backward(grad, need_a, need_x)``, for
+        ``grad`` (``out``'s gradient), ``(∇a, ∇x_dst)`` (each ``None`` where not
+        needed) after adding into the parameters' ``.grad``
+        (:func:`~hongtu.nn.ops.accumulate_grad`) what autograd would add.
+
+        The engine calls it without gradients (``torch.no_grad``) where a
+        backward pass runs the update again, and so runs it without an
+        autograd graph: one kernel launch per product, not autograd's
+        bookkeeping per operation, which a GPU otherwise waits for at many
+        chunks. Only where it comes from the class that defines
+        :meth:`update` (or one below it). ``None`` (default, or where a
+        layer's own check declines, e.g. a trainable ``eps``): autograd.
+        """
+        return None
+
+    @property
+    def writes_update(self) -> bool:
+        """Whether the engine may call :meth:`update_vjp`: it comes from the class
+        that defines :meth:`update` (or one below it; a subclass that changes
+        ``update`` alone breaks the promise its parent made) and no parameter
+        has gradient hooks."""
+        made = self._owner("update_vjp")
+        return (made is not GNNLayer and issubclass(made, self._owner("update"))
+                and not any(map(grad_hooked, self.parameters())))
+
+    def written_update(self, a: Tensor, x_dst: Tensor | None):
+        """:meth:`update_vjp` where :attr:`writes_update`, else ``None``."""
+        return self.update_vjp(a, x_dst) if self.writes_update else None
 
     def _owner(self, name: str) -> type:
         """The class whose own attribute ``name`` this layer uses."""

@@ -7,6 +7,7 @@ single block that spans the whole graph (the in-memory reference).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -19,7 +20,7 @@ from torch import Tensor, nn
 from hongtu.errors import UserError
 from hongtu.nn import ops
 from hongtu.nn.block import Block
-from hongtu.nn.layer import GNNLayer
+from hongtu.nn.layer import GNNLayer, grad_hooked
 
 __all__ = ["GNN", "build_model", "resolve_layer", "layer_seed"]
 
@@ -27,12 +28,17 @@ _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"relu": F.relu, "elu": F.
 _M64 = (1 << 64) - 1
 
 
-def _accumulate(param: Tensor, grad: Tensor) -> None:
-    """``param.grad += grad`` as autograd accumulates it (the first becomes ``.grad``)."""
-    if param.grad is None:
-        param.grad = grad
-    else:
-        param.grad.add_(grad)
+def _linear_backward(a: Tensor, weight: Tensor, bias: Tensor | None, grad: Tensor,
+                     need_a: bool, need_x: bool) -> tuple[Tensor | None, None]:
+    """The backward of ``ops.linear(a, weight, bias)`` for ``grad`` (as
+    :meth:`GNNLayer.update_vjp`'s ``backward``; no own rows)."""
+    g_a, gw, gb = ops.linear_grads(grad, a, weight, need_a, weight.requires_grad,
+                                   bias is not None and bias.requires_grad)
+    if gw is not None:
+        ops.accumulate_grad(weight, gw)
+    if gb is not None:
+        ops.accumulate_grad(bias, gb)
+    return g_a, None
 
 
 def layer_seed(seed: int, epoch: int, layer: int) -> int:
@@ -220,64 +226,104 @@ class GNN(nn.Module):
         return self._emit(l, out, block, next_seed)
 
     def update_backward(self, l: int, block: Block, a: Tensor, grad: Tensor,
-                        next_seed: int | None = None, need_input: bool = False
+                        next_seed: int | None = None, need_input: bool = False,
+                        x_dst: Tensor | None = None, seed: int | None = None
                         ) -> tuple[bool, Tensor | None]:
-        """The backward of :meth:`step_update` ``(l, block, a, None, seed, next_seed)``
+        """The backward of :meth:`step_update` ``(l, block, a, x_dst, seed, next_seed)``
         for ``grad``, its output's gradient, with its matrix products written
         out (no autograd graph; the same values as autograd's): adds into the
-        parameters' gradients and returns ``(True, ∇a)`` (``∇a`` with
-        ``need_input``, else ``None``).
+        parameters' gradients, and into ``x_dst.grad`` where ``x_dst`` requires
+        one, and returns ``(True, ∇a)`` (``∇a`` with ``need_input``, else ``None``).
 
-        Only where the update is a linear map (:attr:`GNNLayer.linear_params`)
+        Where the update is a linear map (:attr:`GNNLayer.linear_params`), or
+        the layer writes its backward out (:meth:`GNNLayer.update_vjp`),
         followed by ReLU, then layer ``l+1``'s dropout when it reads its rows
         dropped and its linear map when it transforms first
-        (:attr:`GNNLayer.linear_transform`); returns ``(False, None)``, having
-        done nothing, elsewhere (and where a parameter has gradient hooks), for
-        the caller to run autograd.
+        (:attr:`GNNLayer.linear_transform`), or on the last layer by nothing;
+        returns ``(False, None)``, having added nothing, elsewhere (and where a
+        parameter has gradient hooks), for the caller to run autograd.
         """
-        if not self.writes_update_backward(l):
+        layer, last = self.layers[l], l == self.num_layers - 1
+        linear = self.writes_linear_backward(l)
+        if not (linear or self._writes_vjp(l)):
             return False, None
-        lin = self.layers[l].linear_params
-        after = self.layers[l + 1].linear_transform if self.transforms_first(l + 1) else None
-        if self.reads_as_kept(l + 1) and next_seed is None:
+        after = self.layers[l + 1].linear_transform \
+            if not last and self.transforms_first(l + 1) else None
+        if not last and self.reads_as_kept(l + 1) and next_seed is None:
             raise ValueError(f"layer {l + 1} reads its rows dropped out by layer {l}: "
                              "pass next_seed (its dropout seed)")
-        weight, bias = lin
-        p, seed = (self.p, next_seed) if self.reads_as_kept(l + 1) else (0.0, 0)
+        if layer.needs_dst and x_dst is None:
+            raise ValueError(f"layer {l} reads its own rows: pass x_dst")
+        if (layer.needs_dst and seed is None and self.training and self.p > 0
+                and not self.keeps_dropped(l)):
+            raise ValueError(f"layer {l} drops its own rows out: pass seed (its dropout seed)")
+        p, nseed = (self.p, next_seed) if not last and self.reads_as_kept(l + 1) else (0.0, 0)
         with torch.no_grad():
-            z = F.linear(a, weight, bias)
-            ids = block.dst_ids(z.device)
-            if after is not None:  # z^{l+1} = drop(relu(z)) W^T, as autograd takes mm's
-                h = ops.relu_dropout(z, ids, p, seed, self.training)
-                if after.requires_grad:
-                    _accumulate(after, grad.t().mm(h))
-                del h
-                grad = grad.mm(after)
-            gz = ops.relu_dropout_grad(grad, z, ids, p, seed, self.training)
-            del z, grad  # (no more than autograd's backward holds at once)
-            ga, gw, gb = ops.linear_grads(gz, a, weight, need_input, weight.requires_grad,
-                                          bias is not None and bias.requires_grad)
-            if gw is not None:
-                _accumulate(weight, gw)
-            if gb is not None:
-                _accumulate(bias, gb)
-            return True, ga
+            ids = block.dst_ids(a.device)
+            xd = self._drop_input(l, x_dst, ids, seed) if layer.needs_dst else None
+            if linear:
+                weight, bias = layer.linear_params
+                z = F.linear(a, weight, bias)
+                backward = functools.partial(_linear_backward, a, weight, bias)
+            else:
+                written = layer.written_update(a, xd)
+                if written is None:  # (the layer's own check declined)
+                    return False, None
+                z, backward = written
+            if not last:
+                if after is not None:  # z^{l+1} = drop(relu(z)) W^T, as autograd takes mm's
+                    h = ops.relu_dropout(z, ids, p, nseed, self.training)
+                    if after.requires_grad:
+                        ops.accumulate_grad(after, grad.t().mm(h))
+                    del h
+                    grad = grad.mm(after)
+                grad = ops.relu_dropout_grad(grad, z, ids, p, nseed, self.training)
+            del z  # (no more than autograd's backward holds at once)
+            need_x = xd is not None and x_dst.requires_grad
+            g_a, g_x = backward(grad, need_input, need_x)
+            del grad
+            if need_x and g_x is not None:
+                if xd is not x_dst:  # (layer l dropped them: the same mask and scale)
+                    g_x = ops.dropout_grad(g_x, ids, self.p, seed, self.training)
+                ops.accumulate_grad(x_dst, g_x)
+            return True, g_a
 
     def writes_update_backward(self, l: int) -> bool:
         """Does :meth:`update_backward` write layer ``l``'s update backward out
-        (a linear map then ReLU, see there), rather than leave it to autograd?"""
+        (a linear map, or a layer's :meth:`~GNNLayer.update_vjp`, then ReLU or,
+        on the last layer, nothing; see there), rather than leave it to
+        autograd? (A layer's ``update_vjp`` may still decline when called.)"""
+        return self.writes_linear_backward(l) or self._writes_vjp(l)
+
+    def _writes_vjp(self, l: int) -> bool:
+        """:meth:`writes_update_backward` through the layer's ``update_vjp``."""
+        return (self.layers[l].writes_update and not self.transforms_first(l)
+                and self._emit_written(l))
+
+    def writes_linear_backward(self, l: int) -> bool:
+        """Does :meth:`update_backward` write layer ``l``'s update backward out as
+        the linear map it declares (:attr:`GNNLayer.linear_params`: one product
+        run again), a ReLU, then the next layer's dropout and linear map?"""
         layer = self.layers[l]
         lin = layer.linear_params
         if (lin is None or layer.needs_dst or self.transforms_first(l)
-                or l == self.num_layers - 1 or self.activation != "relu"):
+                or l == self.num_layers - 1):
             return False
-        first = self.transforms_first(l + 1)
-        after = self.layers[l + 1].linear_transform if first else None
-        if first and after is None:
+        return self._emit_written(l) and not any(
+            grad_hooked(t) for t in lin if t is not None and t.requires_grad)
+
+    def _emit_written(self, l: int) -> bool:
+        """Whether :meth:`update_backward` writes :meth:`_emit` ``(l, ...)``'s
+        backward out: the last layer's (nothing), or ReLU, the next layer's
+        dropout and, where it transforms first, its declared linear map."""
+        if l == self.num_layers - 1:
+            return True
+        if self.activation != "relu":
             return False
-        params = [t for t in (*lin, after) if t is not None and t.requires_grad]
-        return not any(t._backward_hooks or getattr(t, "_post_accumulate_grad_hooks", None)
-                       for t in params)
+        if not self.transforms_first(l + 1):
+            return True
+        after = self.layers[l + 1].linear_transform
+        return after is not None and not grad_hooked(after)
 
     def drop_sources_into(self, l: int, x: Tensor, ids: Tensor, seed: int, out: Tensor,
                           at: Tensor, x_at: Tensor | None = None) -> None:

@@ -31,8 +31,9 @@ __all__ = [
     "BUILTIN_AGGREGATIONS", "aggregate", "aggregate_rows", "aggregate_transpose",
     "edge_weights", "fused_edge_weights", "spmm",
     "gather_src", "gather_dst", "scatter_dst", "edge_softmax", "dropout", "dropout_into",
-    "dropout_mask", "relu_dropout", "relu_dropout_grad",
-    "fused_edge_dots", "fused_dropout", "linear", "linear_grads", "planning_for",
+    "dropout_mask", "dropout_grad", "relu_dropout", "relu_dropout_grad",
+    "fused_edge_dots", "fused_dropout", "linear", "linear_grads", "accumulate_grad",
+    "add_linear_grads", "planning_for",
 ]
 
 BUILTIN_AGGREGATIONS = ("sum", "mean", "gcn")
@@ -434,6 +435,18 @@ def relu_dropout_grad(g: Tensor, x: Tensor, ids: Tensor, p: float, seed: int,
     return torch.where(x <= 0, 0.0, g)  # (ReLU's backward: NaN passes the gradient)
 
 
+def dropout_grad(g: Tensor, ids: Tensor, p: float, seed: int, training: bool = True) -> Tensor:
+    """The gradient in ``x`` of :func:`dropout` ``(x, ids, p, seed, training)`` given
+    ``g``, its output's, as its autograd backward computes it (the same values
+    bit for bit), without an autograd graph."""
+    if not training or p <= 0.0 or g.numel() == 0:
+        return g
+    if fused_dropout(g):
+        return _triton().dropout_triton(g, ids, _threshold(p), seed, 1.0 / (1.0 - p))
+    mask = dropout_mask(ids, g[0].numel(), p, seed).view(g.shape)
+    return (g * (1.0 / (1.0 - p))) * mask
+
+
 class _FusedDropout(torch.autograd.Function):
     """:func:`dropout` (of ``relu(x)`` with ``relu``) as one GPU kernel each way;
     the mask is hashed again in backward instead of being kept."""
@@ -475,6 +488,30 @@ def linear_grads(g: Tensor, x: Tensor, weight: Tensor, need_x: bool = True,
     gw = g.t().mm(x) if need_weight else None
     gb = torch.mv(g.t(), g.new_ones(g.shape[0])) if need_bias else None
     return gx, gw, gb
+
+
+def accumulate_grad(t: Tensor, grad: Tensor) -> None:
+    """``t.grad += grad`` for a leaf ``t`` (a parameter), as autograd accumulates it
+    (the first becomes ``.grad``): for backward passes written out
+    (:meth:`~hongtu.nn.GNNLayer.update_vjp`)."""
+    if t.grad is None:
+        t.grad = grad
+    else:
+        t.grad.add_(grad)
+
+
+def add_linear_grads(x: Tensor, weight: Tensor, bias: Tensor | None, grad: Tensor,
+                     need_x: bool = True) -> Tensor | None:
+    """The backward of ``torch.nn.functional.linear(x, weight, bias)`` (``nn.Linear``)
+    for ``grad``, its output's gradient, as autograd takes it (the same values
+    bit for bit: the bias's a column sum): adds into the parameters' ``.grad``
+    (:func:`accumulate_grad`, those that require one) and returns ``∇x`` where
+    ``need_x``, else ``None``."""
+    if weight.requires_grad:
+        accumulate_grad(weight, grad.t().mm(x))
+    if bias is not None and bias.requires_grad:
+        accumulate_grad(bias, grad.sum(0))
+    return grad.mm(weight) if need_x else None
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

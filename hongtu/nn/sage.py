@@ -2,8 +2,10 @@ r"""GraphSAGE with mean aggregation (Hamilton et al., NeurIPS 2017)."""
 
 from __future__ import annotations
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hongtu.nn import ops
 from hongtu.nn.layer import GNNLayer
 
 __all__ = ["SAGE"]
@@ -54,6 +56,20 @@ class SAGE(GNNLayer):
         if x_dst is None:
             raise ValueError("SAGE needs the destinations' own rows (x_dst)")
         return self.lin_l(a) + self.lin_r(x_dst)
+
+    def update_vjp(self, a: Tensor, x_dst: Tensor | None):
+        if x_dst is None or any(m._forward_hooks or m._forward_pre_hooks
+                                for m in (self.lin_l, self.lin_r)):
+            return None  # (autograd: the error update() gives; hooks)
+        out = F.linear(a, self.lin_l.weight, self.lin_l.bias) + \
+            F.linear(x_dst, self.lin_r.weight, self.lin_r.bias)
+
+        def backward(grad: Tensor, need_a: bool, need_x: bool):
+            return (ops.add_linear_grads(a, self.lin_l.weight, self.lin_l.bias, grad, need_a),
+                    ops.add_linear_grads(x_dst, self.lin_r.weight, self.lin_r.bias, grad,
+                                         need_x))
+
+        return out, backward
 
     def update_saved_bytes(self, num_dst: int, itemsize: int) -> int:
         return 0  # (the two Linears save their inputs, a and x_dst)

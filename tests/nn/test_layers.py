@@ -572,6 +572,68 @@ class _ScaledTransformGCN(GCN):
         return 2.0 * self.lin(x)
 
 
+class _ScaledGIN(GIN):
+    """Changes ``update`` alone: GIN's ``update_vjp`` no longer describes it."""
+
+    def update(self, a, x_dst):
+        return 2.0 * super().update(a, x_dst)
+
+
+@pytest.mark.parametrize("kind", ["gin", "sage"])
+@pytest.mark.parametrize("keep_dropped", [True, False])
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("dtype,device", [
+    (torch.float64, "cpu"), (torch.float32, "cpu"),
+    pytest.param(torch.float32, "cuda", marks=pytest.mark.gpu)])
+def test_written_update_equals_autograd(kind, keep_dropped, training, dtype, device):
+    """A layer's update written out with its own rows (GIN's MLP and SAGE's two
+    maps, :meth:`GNNLayer.update_vjp`), then ReLU and the next layer's dropout
+    or, on the last layer, nothing, gives autograd's parameter, aggregate and
+    own-row gradients bit for bit (the own rows' through the layer's dropout
+    where it drops them), the parameters' added to those already there."""
+    torch.manual_seed(0)
+    if kind == "gin":
+        layers = [GIN(F_IN, 16, hidden=12, eps=0.25), GIN(16, 16, eps=-0.5),
+                  GIN(16, F_OUT, eps=0.75)]
+    else:
+        layers = [SAGE(F_IN, 16), SAGE(16, 16, bias=False), SAGE(16, F_OUT)]
+    model = GNN(layers, dropout=0.5, keep_dropped=keep_dropped).to(device, dtype).train(training)
+    seeds = [5, 6, 7, None]
+    for l in range(3):
+        assert model.writes_update_backward(l) and not model.writes_linear_backward(l)
+        x = features(model.row_widths()[l]).to(device, dtype)
+        for block in [full_block()] + chunk_blocks():
+            block = block.to(device)
+            with torch.no_grad():
+                a = model.step_aggregate(l, block, x[block.src_ids.to(device)], seeds[l])
+            own = x[block.dst_ids(device)]
+            g = torch.randn(a.shape[0], model.row_widths()[l + 1], dtype=dtype, device=device)
+            model.zero_grad(set_to_none=True)
+            a_ref, x_ref = a.clone().requires_grad_(), own.clone().requires_grad_(l > 0)
+            model.step_update(l, block, a_ref, x_ref, seeds[l], seeds[l + 1]).backward(g)
+            want = _grads(model)
+            model.zero_grad(set_to_none=True)
+            x_got = own.clone().requires_grad_(l > 0)
+            done, g_a = model.update_backward(l, block, a, g, seeds[l + 1], need_input=True,
+                                              x_dst=x_got, seed=seeds[l])
+            assert done and torch.equal(g_a, a_ref.grad)
+            assert (x_got.grad is None) == (l == 0)
+            assert l == 0 or torch.equal(x_got.grad, x_ref.grad)
+            got = _grads(model)
+            assert sum(v is not None for v in got) == len(list(model.layers[l].parameters()))
+            for w, v in zip(want, got):
+                assert (w is None and v is None) or torch.equal(w, v)
+            assert model.update_backward(l, block, a, g, seeds[l + 1], x_dst=own,
+                                         seed=seeds[l]) == (True, None)
+            for w, v in zip(want, _grads(model)):  # accumulated
+                assert (w is None and v is None) or torch.equal(v, 2 * w)
+    with pytest.raises(ValueError, match="x_dst"):
+        model.update_backward(2, full_block().to(device), a, g)
+    if training and not keep_dropped:
+        with pytest.raises(ValueError, match="pass seed"):
+            model.update_backward(2, full_block().to(device), a, g, x_dst=own)
+
+
 def test_update_backward_declines_what_it_does_not_know():
     """Other updates, the last layer, ELU, a next layer transforming first by a
     map it does not declare, and parameters with hooks: ``(False, None)``, no
@@ -579,13 +641,15 @@ def test_update_backward_declines_what_it_does_not_know():
     torch.manual_seed(0)
     block = full_block()
 
-    def declines(model: GNN, l: int = 0) -> bool:
+    def declines(model: GNN, l: int = 0, x_dst: bool = False) -> bool:
         model = model.double()
         model.zero_grad(set_to_none=True)
         a = torch.randn(N, model.layers[l].in_channels, dtype=torch.float64)
         g = torch.randn(N, model.row_widths()[l + 1], dtype=torch.float64)
-        done = model.update_backward(l, block, a, g, 9, need_input=True)
-        return done == (False, None) and all(p.grad is None for p in model.parameters())
+        x = a.clone().requires_grad_() if x_dst else None
+        done = model.update_backward(l, block, a, g, 9, need_input=True, x_dst=x, seed=8)
+        return (done == (False, None) and all(p.grad is None for p in model.parameters())
+                and (x is None or x.grad is None))
 
     assert _ScaledGCN(F_IN, 16).linear_params is None
     assert GCN(F_IN, 16).linear_params is not None
@@ -595,7 +659,20 @@ def test_update_backward_declines_what_it_does_not_know():
     assert _ScaledTransformGCN(16, 4).linear_transform is None
     assert _ScaledTransformGCN(16, 4).can_transform_first
     assert declines(GNN([_ScaledGCN(F_IN, 16), GCN(16, F_OUT)], dropout=0.5))
-    assert declines(GNN([SAGE(F_IN, 16), SAGE(16, F_OUT)], dropout=0.5))
+    assert SAGE(F_IN, 16).writes_update and GIN(F_IN, 16).writes_update
+    assert not _ScaledGIN(F_IN, 16).writes_update
+    assert declines(GNN([_ScaledGIN(F_IN, 16), GIN(16, F_OUT)], dropout=0.5), x_dst=True)
+    trained = GNN([GIN(F_IN, 16, train_eps=True), GIN(16, F_OUT)], dropout=0.5)
+    assert trained.writes_update_backward(0)  # (its update_vjp declines when called)
+    assert declines(trained, x_dst=True)
+    other = GNN([GIN(F_IN, 16), GIN(16, F_OUT)], dropout=0.5)
+    other.layers[0].mlp.append(torch.nn.ReLU())
+    assert declines(other, x_dst=True)
+    hooked_mlp = GNN([GIN(F_IN, 16), GIN(16, F_OUT)], dropout=0.5)
+    hooked_mlp.layers[0].mlp[0].register_forward_hook(lambda m, i, o: o)
+    assert declines(hooked_mlp, x_dst=True)
+    assert declines(GNN([SAGE(F_IN, 16), SAGE(16, F_OUT)], dropout=0.5, activation="elu"),
+                    x_dst=True)
     assert declines(GNN([GCN(F_IN, 16), GCN(16, F_OUT)], dropout=0.5), l=1)  # the last layer
     assert declines(GNN([GCN(F_IN, 16), GCN(16, F_OUT)], dropout=0.5, activation="elu"))
     assert declines(GNN([GCN(F_IN, 16), _ScaledTransformGCN(16, F_OUT)], dropout=0.5,
