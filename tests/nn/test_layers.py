@@ -579,7 +579,7 @@ class _ScaledGIN(GIN):
         return 2.0 * super().update(a, x_dst)
 
 
-@pytest.mark.parametrize("kind", ["gin", "sage"])
+@pytest.mark.parametrize("kind", ["gin", "sage", "sage-gcn"])
 @pytest.mark.parametrize("keep_dropped", [True, False])
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("dtype,device", [
@@ -588,18 +588,23 @@ class _ScaledGIN(GIN):
 def test_written_update_equals_autograd(kind, keep_dropped, training, dtype, device):
     """A layer's update written out with its own rows (GIN's MLP and SAGE's two
     maps, :meth:`GNNLayer.update_vjp`), then ReLU and the next layer's dropout
-    or, on the last layer, nothing, gives autograd's parameter, aggregate and
+    or, on the last layer, nothing (or, before a GCN layer that applies its
+    weight first, that weight too), gives autograd's parameter, aggregate and
     own-row gradients bit for bit (the own rows' through the layer's dropout
     where it drops them), the parameters' added to those already there."""
     torch.manual_seed(0)
     if kind == "gin":
         layers = [GIN(F_IN, 16, hidden=12, eps=0.25), GIN(16, 16, eps=-0.5),
                   GIN(16, F_OUT, eps=0.75)]
-    else:
+    elif kind == "sage":
         layers = [SAGE(F_IN, 16), SAGE(16, 16, bias=False), SAGE(16, F_OUT)]
-    model = GNN(layers, dropout=0.5, keep_dropped=keep_dropped).to(device, dtype).train(training)
+    else:
+        layers = [SAGE(F_IN, 16), SAGE(16, 16), GCN(16, F_OUT)]
+    model = GNN(layers, dropout=0.5, keep_dropped=keep_dropped,
+                transform_first=kind == "sage-gcn").to(device, dtype).train(training)
+    assert model.transforms_first(2) == (kind == "sage-gcn")
     seeds = [5, 6, 7, None]
-    for l in range(3):
+    for l in range(2 if kind == "sage-gcn" else 3):
         assert model.writes_update_backward(l) and not model.writes_linear_backward(l)
         x = features(model.row_widths()[l]).to(device, dtype)
         for block in [full_block()] + chunk_blocks():
@@ -620,7 +625,8 @@ def test_written_update_equals_autograd(kind, keep_dropped, training, dtype, dev
             assert (x_got.grad is None) == (l == 0)
             assert l == 0 or torch.equal(x_got.grad, x_ref.grad)
             got = _grads(model)
-            assert sum(v is not None for v in got) == len(list(model.layers[l].parameters()))
+            assert sum(v is not None for v in got) == len(list(model.layers[l].parameters())) \
+                + (l == 1 and kind == "sage-gcn")
             for w, v in zip(want, got):
                 assert (w is None and v is None) or torch.equal(w, v)
             assert model.update_backward(l, block, a, g, seeds[l + 1], x_dst=own,
@@ -628,10 +634,10 @@ def test_written_update_equals_autograd(kind, keep_dropped, training, dtype, dev
             for w, v in zip(want, _grads(model)):  # accumulated
                 assert (w is None and v is None) or torch.equal(v, 2 * w)
     with pytest.raises(ValueError, match="x_dst"):
-        model.update_backward(2, full_block().to(device), a, g)
+        model.update_backward(l, full_block().to(device), a, g, 9)
     if training and not keep_dropped:
         with pytest.raises(ValueError, match="pass seed"):
-            model.update_backward(2, full_block().to(device), a, g, x_dst=own)
+            model.update_backward(l, full_block().to(device), a, g, 9, x_dst=own)
 
 
 def test_update_backward_declines_what_it_does_not_know():
