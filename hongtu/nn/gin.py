@@ -75,11 +75,11 @@ class GIN(GNNLayer):
         return self.mlp(a + (1 + self.eps) * x_dst)
 
     def update_vjp(self, a: Tensor, x_dst: Tensor | None):
-        lin1, act, lin2 = (self.mlp[i] if len(self.mlp) == 3 else None for i in range(3))
-        if (x_dst is None or self.eps.requires_grad or type(lin1) is not nn.Linear
-                or type(act) is not nn.ReLU or type(lin2) is not nn.Linear
-                or any(m._forward_hooks or m._forward_pre_hooks for m in self.mlp.modules())):
-            return None  # (autograd: a trainable eps, an MLP of another shape, hooks)
+        mlp = self.mlp
+        if (x_dst is None or self.eps.requires_grad or type(mlp) is not nn.Sequential
+                or [type(m) for m in mlp] != [nn.Linear, nn.ReLU, nn.Linear]):
+            return None  # (autograd: a trainable eps, an MLP of another shape)
+        lin1, lin2 = mlp[0], mlp[2]
         scale = 1 + self.eps
         s = a + scale * x_dst
         r = torch.relu(F.linear(s, lin1.weight, lin1.bias))

@@ -175,11 +175,14 @@ class GNNLayer(nn.Module):
     def writes_update(self) -> bool:
         """Whether the engine may call :meth:`update_vjp`: it comes from the class
         that defines :meth:`update` (or one below it; a subclass that changes
-        ``update`` alone breaks the promise its parent made) and no parameter
-        has gradient hooks."""
+        ``update`` alone breaks the promise its parent made), no parameter has
+        gradient hooks and no submodule hooks (the written-out update calls no
+        module)."""
         made = self._owner("update_vjp")
         return (made is not GNNLayer and issubclass(made, self._owner("update"))
-                and not any(map(grad_hooked, self.parameters())))
+                and not any(map(grad_hooked, self.parameters()))
+                and not any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                            or m._backward_pre_hooks for m in self.modules() if m is not self))
 
     def written_update(self, a: Tensor, x_dst: Tensor | None):
         """:meth:`update_vjp` where :attr:`writes_update`, else ``None``."""

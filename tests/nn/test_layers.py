@@ -676,7 +676,13 @@ def test_update_backward_declines_what_it_does_not_know():
     assert declines(other, x_dst=True)
     hooked_mlp = GNN([GIN(F_IN, 16), GIN(16, F_OUT)], dropout=0.5)
     hooked_mlp.layers[0].mlp[0].register_forward_hook(lambda m, i, o: o)
-    assert declines(hooked_mlp, x_dst=True)
+    assert not hooked_mlp.layers[0].writes_update and declines(hooked_mlp, x_dst=True)
+    hooked_sage = GNN([SAGE(F_IN, 16), SAGE(16, F_OUT)], dropout=0.5)
+    hooked_sage.layers[0].lin_r.register_full_backward_hook(lambda m, gi, go: None)
+    assert declines(hooked_sage, x_dst=True)
+    replaced = GNN([GIN(F_IN, 16), GIN(16, F_OUT)], dropout=0.5)
+    replaced.layers[0].mlp = torch.nn.Linear(F_IN, 16)  # (any module may serve)
+    assert declines(replaced, x_dst=True)
     assert declines(GNN([SAGE(F_IN, 16), SAGE(16, F_OUT)], dropout=0.5, activation="elu"),
                     x_dst=True)
     assert declines(GNN([GCN(F_IN, 16), GCN(16, F_OUT)], dropout=0.5), l=1)  # the last layer
