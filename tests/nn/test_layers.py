@@ -641,9 +641,11 @@ def test_written_update_equals_autograd(kind, keep_dropped, training, dtype, dev
 
 
 def test_update_backward_declines_what_it_does_not_know():
-    """Other updates, the last layer, ELU, a next layer transforming first by a
-    map it does not declare, and parameters with hooks: ``(False, None)``, no
-    gradient touched."""
+    """Other updates (a subclass changing ``update`` alone), GCN's last layer,
+    ELU, a next layer transforming first by a map it does not declare,
+    parameters with hooks, and an ``update_vjp`` that declines (GIN's with a
+    trainable eps or another MLP) or whose layer's submodules have hooks:
+    ``(False, None)``, no gradient touched, own rows' included."""
     torch.manual_seed(0)
     block = full_block()
 
