@@ -286,8 +286,9 @@ class Trainer:
         # nor ∇h^1 where layer 1's backward runs the first layer's on its flushes
         into_first = self.device.type == "cuda" and first_backward_in_flushes(
             self.model, cached, hand.whole, hand.kept, own_src, direct)
-        # Resident on one device, updates whose backward autograd runs keep their
-        # graph from forward to backward where the budget holds it (as PyG does).
+        # Resident on one device, updates that are more than one linear map keep
+        # their graph from forward to backward where the budget holds it (as PyG
+        # does), instead of running the update again.
         graphs, self.graph_bytes = kept_graphs(
             self.model, sizes, itemsize, cached, stored, self.room, self.estimate,
             self.device.type) if direct else ([False] * len(stored), 0)
