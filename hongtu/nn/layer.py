@@ -184,10 +184,6 @@ class GNNLayer(nn.Module):
                 and not any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
                             or m._backward_pre_hooks for m in self.modules() if m is not self))
 
-    def written_update(self, a: Tensor, x_dst: Tensor | None):
-        """:meth:`update_vjp` where :attr:`writes_update`, else ``None``."""
-        return self.update_vjp(a, x_dst) if self.writes_update else None
-
     def _owner(self, name: str) -> type:
         """The class whose own attribute ``name`` this layer uses."""
         return next(k for k in type(self).__mro__ if name in vars(k))

@@ -266,7 +266,7 @@ class GNN(nn.Module):
                 z = F.linear(a, weight, bias)
                 backward = functools.partial(_linear_backward, a, weight, bias)
             else:
-                written = layer.written_update(a, xd)
+                written = layer.update_vjp(a, xd)  # (writes_update: checked above)
                 if written is None:  # (the layer's own check declined)
                     return False, None
                 z, backward = written

@@ -429,9 +429,7 @@ def relu_dropout_grad(g: Tensor, x: Tensor, ids: Tensor, p: float, seed: int,
     values bit for bit), without an autograd graph."""
     if training and p > 0.0 and x.numel() and fused_dropout(x):
         return _triton().dropout_triton(g, ids, _threshold(p), seed, 1.0 / (1.0 - p), gate=x)
-    if training and p > 0.0 and x.numel():
-        mask = dropout_mask(ids, x[0].numel(), p, seed).view(x.shape)
-        g = (g * (1.0 / (1.0 - p))) * mask
+    g = dropout_grad(g, ids, p, seed, training)  # (unfused: g is x's shape, dtype, device)
     return torch.where(x <= 0, 0.0, g)  # (ReLU's backward: NaN passes the gradient)
 
 
