@@ -10,6 +10,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from hongtu import cli
 from hongtu.calibrate import resolve_throughput
@@ -184,6 +185,14 @@ def test_predicted_bytes_equal_what_the_engine_moves(tmp_path, extra):
     # (chunk blocks copied pass by pass where they do not stay on the device)
     assert (epoch["block_h2d_bytes"] > 0) == (not trainer.blocks_fit)
     assert trainer.blocks_fit == (not budget)
+    if not trainer.blocks_fit:
+        # The trainer pinned and narrowed the blocks as it built them, and it and
+        # the executor hold only those copies (no int64 host blocks beside them).
+        ex = trainer.executor
+        assert trainer.chunks is ex.chunks and trainer.chunks.blocks is ex._blocks
+        for b in ex._blocks:
+            assert b.indices.dtype == b.t_perm.dtype == torch.int32
+            assert all(t.is_pinned() for t in b.tensors())
     step = trainer.run_epoch(0, evaluate=False)
     assert (step["h2d_bytes"], step["d2h_bytes"]) == (epoch["h2d_bytes"], epoch["d2h_bytes"])
     both = trainer.run_epoch(1, evaluate=True)

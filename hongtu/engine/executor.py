@@ -30,6 +30,7 @@ they are exactly the full-graph gradients; the caller takes the optimizer step.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numba
@@ -80,13 +81,6 @@ class StepResult:
     def accuracy(self, split: str) -> float:
         t = self.total.get(split, 0) if self.total else 0
         return self.correct[split] / t if t else float("nan")
-
-
-def _narrow(t: Tensor) -> Tensor:
-    """An int64 index array as int32 when its values fit (widened again on the device)."""
-    if t.dtype != torch.int64 or t.numel() == 0:
-        return t
-    return t.to(torch.int32) if int(t.max()) < 2**31 and int(t.min()) >= 0 else t
 
 
 @numba.njit(cache=True)
@@ -945,11 +939,17 @@ class Executor:
             self._blocks = chunks.blocks
         elif resident_blocks:
             self._blocks = [b if b is None else b.to(device) for b in chunks.blocks]
+        elif all(b is None or b.indptr.is_pinned() for b in chunks.blocks):
+            self._blocks = chunks.blocks  # (pinned already: the trainer's, pin_blocks)
         else:
-            # One pinned slab for all of them (copied to the device batch by batch),
-            # index arrays as int32 where they fit: half the bytes on the link.
-            self._blocks = pin_blocks(chunks.blocks, _narrow)
+            # Pinned slabs (copied to the device batch by batch), index arrays
+            # as int32 where they fit: half the bytes on the link.
+            self._blocks = pin_blocks(chunks.blocks)
         self._copy_blocks = device.type != "cpu" and not resident_blocks
+        if device.type != "cpu":
+            # The chunk set refers to these copies from now on: the int64 host
+            # blocks it was built with (about 24 bytes an edge) can go.
+            self.chunks = dataclasses.replace(chunks, blocks=self._blocks)
         # The next forward's first rows (step 0 of layer 0, in load order: one
         # run into slots 0..n-1) travel during the first layer's backward pass
         # (layer 1's where that one runs the first's: _in_flushes), a piece

@@ -58,6 +58,7 @@ from hongtu.engine.executor import (
     reads_rows_once,
     resolved_checkpoint,
 )
+from hongtu.engine.transfer import pin_blocks
 from hongtu.errors import UserError
 from hongtu.graph import Graph
 from hongtu.nn.model import GNN, build_model, describe_layers
@@ -277,6 +278,10 @@ class Trainer:
         self.chunks = ChunkSet.build(g, self.partition.chunk_ptr, parts, chunks, dtype,
                                      part=rank if world > 1 else None, sources=neighbours)
         del neighbours  # each block holds its own sources now
+        if self.device.type == "cuda" and not self.blocks_fit:
+            # Pinned and narrowed now, block by block, each int64 block going as
+            # its copy is made: host memory never holds them beside the buffers.
+            pin_blocks(self.chunks.blocks, in_place=True)
         split["blocks_s"] = time.perf_counter() - t
         # Gradients the executor will keep on the device need no host buffer
         # (its row memory is at least row_elements: it keeps at least these).
@@ -322,6 +327,7 @@ class Trainer:
             ordered_rows=index_bytes is not None,
             own_in_sources=own_src, first_in_flushes=into_first, keep_graphs=self.graph_bytes > 0)
         split["executor_s"] = time.perf_counter() - t
+        self.chunks = self.executor.chunks  # (on a GPU without the int64 host blocks)
         ex, rows = self.executor, []
         if ex.whole_layers:
             rows.append("layers moving all their rows per pass (engine.whole_layers): "

@@ -202,24 +202,33 @@ BLOCK_LAYOUT = ("indices", "indptr", "src_ids", "t_indptr", "t_indices", "t_perm
                 "src_in_deg", "dst_in_deg")
 
 
-def pin_blocks(blocks: list, narrow, copies=pinned_copies) -> list:
+def narrow_index(t: Tensor) -> Tensor:
+    """An int64 index array as int32 when its values fit (widened again on the device)."""
+    if t.dtype != torch.int64 or t.numel() == 0:
+        return t
+    return t.to(torch.int32) if int(t.max()) < 2**31 and int(t.min()) >= 0 else t
+
+
+def pin_blocks(blocks: list, narrow=narrow_index, copies=pinned_copies,
+               in_place: bool = False) -> list:
     """Pinned copies of the blocks (``None`` kept), every tensor passed through
-    ``narrow`` first (e.g. int64 index arrays to int32), all in one slab
-    (``copies``: :func:`~hongtu.engine.pinned.pinned_copies`), each block's
+    ``narrow`` first (default :func:`narrow_index`), each block in a slab of
+    its own (``copies``: :func:`~hongtu.engine.pinned.pinned_copies`) with its
     tensors side by side in :data:`BLOCK_LAYOUT` order, so that
-    :meth:`Mover.fetch_block` moves a pass's arrays in one or two copies."""
-    own = [b for b in blocks if b is not None]
-    names = [[n for n in BLOCK_LAYOUT if isinstance(getattr(b, n), Tensor)]
-             + [t for t in b.tensor_names() if t not in BLOCK_LAYOUT] for b in own]
-    flat = copies([narrow(getattr(b, n)) for b, ns in zip(own, names) for n in ns])
-    out, k = [], 0
-    it = iter(zip(own, names))
-    for b in blocks:
-        if b is not None:
-            b, ns = next(it)
-            b = b.replace_tensors(dict(zip(ns, flat[k:k + len(ns)])))
-            k += len(ns)
-        out.append(b)
+    :meth:`Mover.fetch_block` moves a pass's arrays in one or two copies.
+
+    Block by block, so that host memory holds one block's narrowed arrays
+    beside the blocks at a time; with ``in_place``, ``blocks[i]`` is replaced
+    by its copy as soon as it is made (the list returned is ``blocks``), and a
+    block the caller holds nowhere else is freed before the next is copied."""
+    out = blocks if in_place else list(blocks)
+    for i, b in enumerate(blocks):
+        if b is None:
+            continue
+        names = ([n for n in BLOCK_LAYOUT if isinstance(getattr(b, n), Tensor)]
+                 + [t for t in b.tensor_names() if t not in BLOCK_LAYOUT])
+        out[i] = b.replace_tensors(dict(zip(names, copies([narrow(getattr(b, n))
+                                                           for n in names]))))
     return out
 
 

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-from hongtu.engine.executor import _narrow
 from hongtu.engine.pinned import slab_copies
 from hongtu.engine.transfer import (
     BLOCK_LAYOUT,
@@ -58,6 +57,21 @@ def test_timeline_marks_every_layer_pass(tmp_path):
     assert h2d == pytest.approx(rec["time_h2d_s"], rel=1e-3)
 
 
+def test_pin_blocks_in_place_replaces_each_block():
+    """With ``in_place`` the caller's list holds the copies (``None`` kept), equal
+    to the blocks they replace; without, the list is left as it was."""
+    blocks = _blocks()
+    before = list(blocks)
+    copies = pin_blocks(blocks, copies=_slab)
+    assert all(a is b for a, b in zip(blocks, before)) and copies is not blocks
+    out = pin_blocks(blocks, copies=_slab, in_place=True)
+    assert out is blocks and blocks[-1] is None
+    for b, p in zip(before[:-1], blocks[:-1]):
+        assert p is not b and p.indices.dtype == torch.int32
+        for name in b.tensor_names():
+            assert torch.equal(getattr(p, name).to(getattr(b, name).dtype), getattr(b, name))
+
+
 def _blocks():
     """Three chunks' blocks of a random graph and one missing (``None``)."""
     from hongtu.nn.block import build_block
@@ -80,7 +94,7 @@ def test_pinned_blocks_put_each_pass_arrays_side_by_side():
     run per dtype (forward without the transpose, a cached layer's backward,
     all), with every array's place in its span."""
     blocks = _blocks()
-    pinned = pin_blocks(blocks, _narrow, copies=_slab)
+    pinned = pin_blocks(blocks, copies=_slab)
     assert pinned[-1] is None
     for b, p in zip(blocks[:-1], pinned[:-1]):
         for name in b.tensor_names():
@@ -119,7 +133,7 @@ def test_block_copy_bytes_are_what_fetch_block_moves(case):
     blocks = ChunkSet.build(graph, ptr, 1, len(ptr) - 1).blocks
     sizes = chunk_sizes(graph, np.arange(n), ptr)
     assert any(b.num_edges == 0 for b in blocks) == (case == "isolated")
-    pinned = pin_blocks(blocks, _narrow, copies=_slab)
+    pinned = pin_blocks(blocks, copies=_slab)
     for c, (b, p) in enumerate(zip(blocks, pinned)):
         assert (b.num_src, b.num_dst, b.num_edges) == (
             sizes.num_src[c], sizes.num_dst[c], sizes.num_edges[c])
@@ -134,7 +148,7 @@ def test_block_copy_bytes_are_what_fetch_block_moves(case):
 def test_fetch_block_brings_the_arrays_widened(overlap):
     d = torch.device("cuda")
     mv = Mover(d, {"dst": (1, 1)}, 1, torch.float32, overlap=overlap)
-    for b, p in zip(_blocks()[:-1], pin_blocks(_blocks(), _narrow)[:-1]):
+    for b, p in zip(_blocks()[:-1], pin_blocks(_blocks())[:-1]):
         for skip in (Block.TRANSPOSE, Block.NOT_TRANSPOSED, ()):
             before = mv.traffic.h2d_bytes
             got = mv.take_block(mv.fetch_block(p, skip))
