@@ -69,7 +69,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import RESULTS, device_name, file_tag, pinned_copy_peak, pyg_run, steady_median
+from common import (
+    RESULTS,
+    device_name,
+    file_tag,
+    host_peak_rss_bytes,
+    host_rss_bytes,
+    pinned_copy_peak,
+    pyg_run,
+    steady_median,
+)
 
 from hongtu.config import config_from_dict, format_size, parse_size
 from hongtu.engine.budget import chunk_sizes, estimate_device_bytes
@@ -181,6 +190,7 @@ def _hongtu_epochs(cfg, args, peak, cap: int | None) -> dict:
                 "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0)
                 if cuda else None}
 
+    rss0 = host_rss_bytes()
     try:
         tr = Trainer(cfg, overwrite=True, out=lambda s: print(s, flush=True))
     except Exception as exc:  # a system that cannot run is a result, not a crash
@@ -215,6 +225,10 @@ def _hongtu_epochs(cfg, args, peak, cap: int | None) -> dict:
            "epoch_s": [r["epoch_s"] for r in recs], "median_epoch_s": med,
            "loss": [r["loss"] for r in recs],
            "peak_device_bytes": max(r["peak_device_bytes"] for r in steady),
+           # host memory: what the process held before the run and with the
+           # trainer after its epochs, and the process's peak so far (generation too)
+           "host_rss_before_bytes": rss0, "host_rss_bytes": host_rss_bytes(),
+           "host_peak_rss_bytes": host_peak_rss_bytes(),
            "reserved_peak_bytes": max(reserved[args.warmup:] or reserved) if cuda else None,
            **allocator(),
            **{k: last[k] for k in last
@@ -383,9 +397,16 @@ def main() -> int:
                     help="limit PyTorch's allocator to each hongtu run's budget, as on a GPU "
                          "of that size (a run needing more fails as OOM; resident runs only "
                          "with --resident-budget)")
+    ap.add_argument("--regenerate", action="store_true",
+                    help="each hongtu run generates the graph again instead of reading the "
+                         "suite's copy, which is dropped: host memory then holds the "
+                         "features once, as for a graph read from a file (the largest "
+                         "graphs; not with pyg)")
     ap.add_argument("--workdir", default="/tmp/hongtu_suite")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
+    if args.regenerate and "pyg" in args.systems.split(","):
+        ap.error("--regenerate drops the suite's graph, which PyG needs: leave pyg out")
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     warm_up(args)
@@ -395,8 +416,11 @@ def main() -> int:
     print(f"{args.workload}: {graph.num_nodes:,} vertices, {graph.num_edges:,} edges "
           f"(self-loops included), {graph.num_features} features, {graph.num_classes} classes "
           f"(generated in {gen_s:.1f} s)", flush=True)
-    # Every hongtu run below reads this graph through the built-in registry.
-    BUILTIN_DATASETS[args.workload] = BuiltinDataset(args.workload, lambda: graph)
+    # Every hongtu run below reads this graph through the built-in registry (or,
+    # with --regenerate, the same graph generated again).
+    BUILTIN_DATASETS[args.workload] = BuiltinDataset(
+        args.workload,
+        (lambda: make_graph(args.workload, args.scale)) if args.regenerate else lambda: graph)
     peak = pinned_copy_peak(device)
     if peak["h2d"]:
         print(f"pinned copy peak: h2d {peak['h2d'] / 1e9:.1f} GB/s, "
@@ -415,6 +439,9 @@ def main() -> int:
         if (old.get("num_nodes"), old.get("num_edges")) == (graph.num_nodes, graph.num_edges):
             result["models"] = old.get("models", {})
     systems = args.systems.split(",")
+    needs = {m: in_memory_need(graph, model_cfg(m, hidden)) for m in args.models.split(",")}
+    if args.regenerate:
+        del graph
     for model in args.models.split(","):
         mcfg = model_cfg(model, hidden)
         layer, layers = MODELS[model]
@@ -427,7 +454,7 @@ def main() -> int:
         if pyg.get("status") == "ok" and pyg.get("peak_device_bytes"):
             need, need_from = pyg["peak_device_bytes"], "PyG measured peak"
         else:
-            need, need_from = in_memory_need(graph, mcfg), "hongtu estimate, in memory"
+            need, need_from = needs[model], "hongtu estimate, in memory"
         budget = int(need * args.fraction)
         if layer == "gat":
             budget = min(budget, parse_size(args.gat_budget))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import platform
+import resource
 import statistics
 import time
 from pathlib import Path
@@ -43,6 +45,21 @@ def pass_names(num_layers: int) -> list[str]:
     pass has one name fewer, the last)."""
     return ([f"forward L{l}" for l in range(num_layers)]
             + [f"backward L{l}" for l in reversed(range(num_layers))])
+
+
+def host_rss_bytes() -> int | None:
+    """This process's resident host memory now (pinned buffers included), or ``None``
+    where ``/proc`` is missing."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def host_peak_rss_bytes() -> int:
+    """The most resident host memory this process has held so far (``ru_maxrss``)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (KiB on Linux)
 
 
 def pinned_copy_peak(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> dict:
