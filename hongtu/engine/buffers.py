@@ -86,13 +86,17 @@ class BufferPlan:
         rows.append(f"  {'total':<10} {format_size(self.total_bytes()):>12}")
         return "\n".join(rows)
 
-    def check_host_memory(self, available: int | None = None) -> None:
-        """Raise :class:`UserError` when the buffers cannot fit in host memory."""
-        need = self.total_bytes()
+    def check_host_memory(self, available: int | None = None, input_copy: bool = False) -> None:
+        """Raise :class:`UserError` when the buffers cannot fit in host memory
+        (``input_copy``: with a copy of the input as ``h^0``, as
+        :class:`HostBuffers` makes to renumber or pin it)."""
+        copy = self.num_nodes * self.widths[0] * self.itemsize if input_copy else 0
+        need = self.total_bytes() + copy
         avail = available_host_memory() if available is None else available
         if need > avail:
+            with_copy = f" ({format_size(copy)} of them a copy of the features)" if copy else ""
             raise UserError(
-                f"host memory too small: the buffers need {format_size(need)} but "
+                f"host memory too small: the buffers need {format_size(need)}{with_copy} but "
                 f"{format_size(avail)} is available; use fewer layers or a smaller hidden "
                 "width, engine.checkpoint=recompute (drops the cached aggregates), or more "
                 "machines (engine.devices)")
@@ -119,8 +123,8 @@ class HostBuffers:
                  dtype: torch.dtype = torch.float32, device: torch.device | None = None,
                  rows: np.ndarray | None = None) -> None:
         on_device = device is not None and device.type != "cpu"
-        if not on_device:
-            plan.check_host_memory()
+        if not on_device:  # (h^0 a copy of the input, below, where renumbered or pinned)
+            plan.check_host_memory(input_copy=rows is not None or pin)
         n = plan.num_nodes
         L = len(plan.widths) - 1
 

@@ -41,3 +41,22 @@ def test_gradients_kept_on_the_device_get_no_host_buffer():
     assert full.total_bytes() - plan.total_bytes() == 10 * 3 * 4
     buf = B.HostBuffers(plan, np.zeros((10, 6), np.float32), pin=False)
     assert buf.grad[0] is None and buf.grad[1].shape == (10, 4) and buf.grad[2] is None
+
+
+def test_host_check_counts_the_copy_of_the_features(monkeypatch):
+    """The host check counts ``h^0`` where the buffers copy the input into it
+    (renumbered rows, or pinned for a GPU): memory that holds the other buffers
+    but not that copy is too small then, and enough for the input used as is."""
+    from hongtu.errors import UserError
+
+    plan = B.BufferPlan(100, [8, 4, 2], [True, False])
+    x = np.ones((100, 8), dtype=np.float32)
+    monkeypatch.setattr(B, "available_host_memory", lambda: plan.total_bytes())
+    buf = B.HostBuffers(plan, x, pin=False)  # (h^0 is the input itself)
+    assert buf.h[0].data_ptr() == torch.from_numpy(x).data_ptr()
+    with pytest.raises(UserError, match=r"host memory too small: .*3.12 KiB of them a copy"):
+        B.HostBuffers(plan, x, pin=False, rows=np.arange(100)[::-1])
+    monkeypatch.setattr(B, "available_host_memory",
+                        lambda: plan.total_bytes() + 100 * 8 * 4)
+    buf = B.HostBuffers(plan, x, pin=False, rows=np.arange(100)[::-1])
+    assert torch.equal(buf.h[0], torch.ones(100, 8))
