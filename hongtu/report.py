@@ -190,7 +190,10 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
                       + t["range_h2d_bytes"] + t["index_h2d_bytes"] + t["block_h2d_bytes"])
     t["d2h_bytes"] = t["flush_bytes"] + t["aggregate_d2h_bytes"] + t["range_d2h_bytes"]
     t["contiguous_bytes"] = t["h2d_bytes"] + t["d2h_bytes"] - t["neighbour_bytes"]
-    return {"layers": layers, "epoch": t}
+    # ∇h^l with a host buffer: none stays on the device, nor ∇h^1 into the first
+    # layer's backward (as the trainer's BufferPlan)
+    grads = [not k and not (l == 1 and into_first) for l, k in enumerate(kept)]
+    return {"layers": layers, "epoch": t, "host_grads": grads}
 
 
 def _volumes(vol, c: float) -> dict:
@@ -623,6 +626,11 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     t["alternatives_s"] = time.perf_counter() - t0
     fitting = [r["chunks"] for r in memory if r["fits"]]
     cands, traffic = main.candidates, traffic_of(main)
+    # (each process holds its own part's rows; the largest part decides)
+    rows = graph.num_nodes if e.devices == 1 else int(np.bincount(assignment,
+                                                                  minlength=m).max())
+    host = _host_buffers(rows, widths, stored, itemsize, traffic.pop("host_grads"),
+                         bool(resident and resident["resident"]))
     data = {
         "graph": info,
         "model": {"layers": [repr(x) for x in model.layers], "widths": widths,
@@ -644,9 +652,25 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         "memory": {"budget": budget, "chunks": n, "rows": memory,
                    "suggested_chunks": min(fitting) if fitting else None,
                    "fastest_chunks": fastest_count(memory)},
-        "notes": notes, "timings": t,
+        "host": host, "notes": notes, "timings": t,
     }
     return Report(data, main.partition, main.plan)
+
+
+def _host_buffers(rows: int, widths: list[int], stored: list[bool], itemsize: int,
+                  grads: list[bool], resident: bool) -> dict:
+    """The host buffers one training process allocates out of core, as the
+    trainer's :class:`~hongtu.engine.buffers.BufferPlan` and the check it makes
+    before allocating them (``h^0``: the copy of the input features in the
+    partition's order), against the host memory this machine has available
+    now. Resident training allocates them on the device instead."""
+    from hongtu.engine.buffers import BufferPlan, available_host_memory
+
+    plan = BufferPlan(rows, widths, stored, itemsize, grads=grads)
+    entries = [("h^0", rows * widths[0] * itemsize), *plan.entries()]
+    return {"resident": resident, "entries": [list(x) for x in entries],
+            "total_bytes": sum(b for _, b in entries),
+            "available_bytes": available_host_memory()}
 
 
 # -------------------------------------------------------------------- text
@@ -786,11 +810,25 @@ def _memory_section(d: dict) -> list[str]:
     return lines
 
 
+def _host_section(d: dict) -> list[str]:
+    h, fs = d["host"], format_size
+    if h["resident"]:
+        return ["", "host buffers: none (resident: training keeps them on the device)"]
+    parts = ", ".join(f"{name} {fs(b)}" for name, b in h["entries"])
+    fits = h["total_bytes"] <= h["available_bytes"]
+    return ["", f"host buffers of one training process: {fs(h['total_bytes'])} ({parts}; "
+            "h^0 is the features copied in the partition's order)",
+            f"  this machine has {fs(h['available_bytes'])} available now: "
+            + ("they fit" if fits else "too small, training would stop before it starts")
+            + "; the chunk blocks, the structure, the transfer plan and, on a GPU, the "
+            "copies kept in load order come on top"]
+
+
 def format_report(d: dict) -> str:
     """The report as plain-text tables (what ``hongtu report`` prints)."""
     tm = d["timings"]
     lines = [*_header(d), *_alpha_section(d), *_volume_section(d), *_transfer_section(d),
-             *_memory_section(d),
+             *_memory_section(d), *_host_section(d),
              f"\nreport computed in {sum(tm.values()):.1f} s (load {tm['load_s']:.1f} s, "
              f"α {tm['replication_s']:.1f} s, plan {tm['plan_s']:.1f} s, other chunk counts "
              f"{tm['alternatives_s']:.1f} s)"]

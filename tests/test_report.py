@@ -161,9 +161,18 @@ def test_alpha_skips_part_counts_above_half_the_vertices(tmp_path):
 def test_predicted_bytes_equal_what_the_engine_moves(tmp_path, extra):
 
     cfg = load_config(CONFIG, base(tmp_path, f"output.dir={tmp_path / 'run'}", *extra))
-    transfers = build_report(cfg, parts_list=[], chunks_list=[]).data["transfers"]
+    data = build_report(cfg, parts_list=[], chunks_list=[]).data
+    transfers = data["transfers"]
     epoch = transfers["epoch"]
     trainer = Trainer(cfg, out=lambda _: None)
+    # The host buffers the report lists are those training allocates, h^0's copy too.
+    buf = trainer.executor.buf
+    made = [("h^0", buf.h[0].nbytes)] + [
+        (f"{kind}^{l}", t.nbytes) for kind, ts in (("h", buf.h), ("grad h", buf.grad),
+                                                  ("a", buf.agg))
+        for l, t in enumerate(ts) if t is not None and (kind != "h" or l > 0)]
+    assert not data["host"]["resident"]
+    assert sorted(map(tuple, data["host"]["entries"])) == sorted(made)
     if extra[:2] == ["engine.parts=1", "model.layers=3"] and len(extra) == 3:
         # the last layer's rows stay from the forward pass before it
         assert trainer.executor.rows_kept and trainer.executor._rows_layer == 2
