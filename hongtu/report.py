@@ -819,7 +819,8 @@ def _host_section(d: dict) -> list[str]:
     return ["", f"host buffers of one training process: {fs(h['total_bytes'])} ({parts}; "
             "h^0 is the features copied in the partition's order)",
             f"  this machine has {fs(h['available_bytes'])} available now: "
-            + ("they fit" if fits else "too small, training would stop before it starts")
+            + ("they fit" if fits else "too little, training would stop with 'host memory "
+                                       "too small'")
             + "; the chunk blocks, the structure, the transfer plan and, on a GPU, the "
             "copies kept in load order come on top"]
 

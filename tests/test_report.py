@@ -57,8 +57,25 @@ def test_text_report_has_every_section(capsys, tmp_path):
                    "identity (no reorg)", "host traffic V_+ru vs V_ori",
                    "predicted transfers of one training step", "gradient flushes",
                    "cached aggregates", "cost C (Eq. 4) per epoch", "transfer lower bound",
-                   "device memory per chunk", "<- this config", "throughput (GB/s)"):
+                   "device memory per chunk", "<- this config", "throughput (GB/s)",
+                   "host buffers of one training process", "available now: they fit"):
         assert phrase in out, phrase
+
+
+def test_host_buffers_set_against_available_memory(capsys, tmp_path, monkeypatch):
+    """Where this machine's available host memory is below the buffers, the report
+    says training would stop, as training's own check then does."""
+    import hongtu.engine.buffers
+    from hongtu.errors import UserError
+
+    monkeypatch.setattr(hongtu.engine.buffers, "available_host_memory", lambda: 1000)
+    rc, out, err = run(capsys, "report", CONFIG, *base(tmp_path), "--parts-list", "2")
+    assert rc == 0, err
+    assert "1000 B available now: too little, training would stop with 'host memory " \
+        "too small'" in out
+    with pytest.raises(UserError, match="host memory too small"):
+        Trainer(load_config(CONFIG, base(tmp_path, f"output.dir={tmp_path / 'run'}")),
+                out=lambda _: None)
 
 
 # ---------------------------------------------------------------- the JSON
