@@ -710,7 +710,7 @@ class Mover:
 
         Its bytes count as host→device traffic (no rows). The tensors named in
         ``skip`` stay in host memory (a pass that does not read them). Tensors
-        that lie next to each other in one pinned slab (:func:`pin_blocks`)
+        that lie next to each other in the block's pinned slab (:func:`pin_blocks`)
         travel as one copy; index arrays kept as int32 on the host are widened
         to int64 on the device, one kernel per copy, on a stream of its own
         (a kernel on the copy stream would hold up the copies behind it while
