@@ -534,6 +534,9 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
                         transform_first=e.transform_first, keep_dropped=True)
     info = {"name": full.name, "num_nodes": full.num_nodes, "num_edges": full.num_edges,
             "num_features": full.num_features, "num_classes": full.num_classes}
+    # (training keeps the renumbered structure, labels and masks: the same sizes)
+    structure_bytes = sum(a.nbytes for a in (full.indptr, full.indices, full.y, full.train_mask,
+                                             full.val_mask, full.test_mask) if a is not None)
     # The report never needs vertex data: keep the structure alone.
     graph = replace(full, x=None, y=None, train_mask=None, val_mask=None, test_mask=None)
     del full
@@ -604,9 +607,16 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         fwd = own_rows_forward(model, hand.whole, own_read)
         # (blocks are copied pass by pass on a GPU where they do not stay there)
         blocks = _block_bytes(model, s, cached, n, itemsize, into) if gpu else None
-        return _traffic(widths, cached, stored, needs_dst, itemsize, n, plan.h2d_rows,
-                        plan.d2h_rows, hand, ordered, sum(counts), index, held, early, first,
-                        own, fwd, into, blocks)
+        out = _traffic(widths, cached, stored, needs_dst, itemsize, n, plan.h2d_rows,
+                       plan.d2h_rows, hand, ordered, sum(counts), index, held, early, first,
+                       own, fwd, into, blocks)
+        # (host copies in load order, one process's: the inputs' loads, the rows' first loads)
+        loads = max(int(p.load_ids.shape[0]) for p in plan.plans)
+        out["host_ordered"] = (
+            loads * widths[0] * itemsize if gpu and e.ordered_inputs and not hand.whole[0]
+            else 0,
+            max(counts, default=0) * itemsize * sum(w for w, o in zip(widths, ordered) if o))
+        return out
 
     t0 = time.perf_counter()
     memory = []
@@ -629,8 +639,9 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     # (each process holds its own part's rows; the largest part decides)
     rows = graph.num_nodes if e.devices == 1 else int(np.bincount(assignment,
                                                                   minlength=m).max())
-    host = _host_buffers(rows, widths, stored, itemsize, traffic.pop("host_grads"),
-                         bool(resident and resident["resident"]))
+    host = _host_memory(main, rows, widths, stored, itemsize, traffic.pop("host_grads"),
+                        bool(resident and resident["resident"]), gpu, structure_bytes,
+                        traffic.pop("host_ordered"), e.devices)
     data = {
         "graph": info,
         "model": {"layers": [repr(x) for x in model.layers], "widths": widths,
@@ -657,19 +668,46 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     return Report(data, main.partition, main.plan)
 
 
-def _host_buffers(rows: int, widths: list[int], stored: list[bool], itemsize: int,
-                  grads: list[bool], resident: bool) -> dict:
-    """The host buffers one training process allocates out of core, as the
-    trainer's :class:`~hongtu.engine.buffers.BufferPlan` and the check it makes
-    before allocating them (``h^0``: the copy of the input features in the
-    partition's order), against the host memory this machine has available
-    now. Resident training allocates them on the device instead."""
+def _host_memory(s: _Setting, rows: int, widths: list[int], stored: list[bool], itemsize: int,
+                 grads: list[bool], resident: bool, gpu: bool, structure_bytes: int,
+                 ordered: tuple[int, int], devices: int) -> dict:
+    """What one training process holds in host memory out of core, as the trainer
+    allocates it: its buffers (the trainer's
+    :class:`~hongtu.engine.buffers.BufferPlan`, the check it makes before
+    allocating them, ``h^0`` the copy of the input features in the partition's
+    order), its chunks' blocks (int32 where they fit and pinned on a GPU, unless
+    they stay on the device; int64 on a CPU), the renumbered structure with
+    labels and masks, the transfer plan, on a GPU the pinned areas gradient
+    flushes are staged in, and, up to ``ordered``, the
+    copies kept in load order (inputs, later rows), which training takes
+    where 80% of the memory then available holds them. Set against the host
+    memory this machine has available now. Resident training allocates the
+    buffers on the device instead."""
     from hongtu.engine.buffers import BufferPlan, available_host_memory
+    from hongtu.engine.transfer import block_host_bytes, flush_staging_bytes
 
     plan = BufferPlan(rows, widths, stored, itemsize, grads=grads)
-    entries = [("h^0", rows * widths[0] * itemsize), *plan.entries()]
-    return {"resident": resident, "entries": [list(x) for x in entries],
-            "total_bytes": sum(b for _, b in entries),
+    buffers = [("h^0", rows * widths[0] * itemsize), *plan.entries()]
+    sz, n = s.sizes, s.partition.num_chunks
+    per_chunk = [0 if gpu and s.blocks_fit else
+                 block_host_bytes(int(a), int(b), int(c), int(s.partition.chunk_ptr[-1]),
+                                  itemsize, narrow=gpu)
+                 for a, b, c in zip(sz.num_src, sz.num_dst, sz.num_edges)]
+    # (each process builds its own part's blocks)
+    blocks = max(sum(per_chunk[i * n:(i + 1) * n]) for i in range(len(per_chunk) // n)) \
+        if devices > 1 else sum(per_chunk)
+    plan_bytes = sum(a.nbytes for a in s.plan.to_npz_dict().values())
+    # (a GPU's pinned areas that receive gradient flushes while a thread adds them)
+    staging = flush_staging_bytes(int(sz.num_dst.max()),
+                                  max(p.buffer_rows for p in s.plan.plans), max(widths),
+                                  itemsize) if gpu else 0
+    others = [("chunk blocks", blocks), ("structure", structure_bytes),
+              ("transfer plan", plan_bytes), ("flush staging", staging)]
+    total = sum(b for _, b in buffers + others)
+    return {"resident": resident, "entries": [list(x) for x in buffers],
+            "buffers_bytes": sum(b for _, b in buffers),
+            "others": [list(x) for x in others], "total_bytes": total,
+            "ordered_bytes": list(ordered) if gpu else [0, 0],
             "available_bytes": available_host_memory()}
 
 
@@ -813,16 +851,23 @@ def _memory_section(d: dict) -> list[str]:
 def _host_section(d: dict) -> list[str]:
     h, fs = d["host"], format_size
     if h["resident"]:
-        return ["", "host buffers: none (resident: training keeps them on the device)"]
-    parts = ", ".join(f"{name} {fs(b)}" for name, b in h["entries"])
-    fits = h["total_bytes"] <= h["available_bytes"]
-    return ["", f"host buffers of one training process: {fs(h['total_bytes'])} ({parts}; "
-            "h^0 is the features copied in the partition's order)",
-            f"  this machine has {fs(h['available_bytes'])} available now: "
-            + ("they fit" if fits else "too little, training would stop with 'host memory "
+        return ["", "host memory: no buffers (resident: training keeps them on the device)"]
+    buffers = ", ".join(f"{name} {fs(b)}" for name, b in h["entries"])
+    others = ", ".join(f"{name} {fs(b)}" for name, b in h["others"])
+    inputs, rows = h["ordered_bytes"]
+    lines = ["", f"host memory of one training process: {fs(h['total_bytes'])}: buffers "
+             f"{fs(h['buffers_bytes'])} ({buffers}; h^0 is the features copied in the "
+             f"partition's order), {others}"]
+    if inputs or rows:
+        lines.append(f"  and on a GPU up to {fs(inputs + rows)} of copies in load order "
+                     f"(inputs {fs(inputs)}, rows {fs(rows)}), each kept where 80% of the "
+                     "host memory then available holds it")
+    fits = h["buffers_bytes"] <= h["available_bytes"]
+    lines.append(f"  this machine has {fs(h['available_bytes'])} available now: the buffers "
+                 + ("fit" if fits else "do not fit, training would stop with 'host memory "
                                        "too small'")
-            + "; the chunk blocks, the structure, the transfer plan and, on a GPU, the "
-            "copies kept in load order come on top"]
+                 + "; Python, torch and the input as loaded come on top")
+    return lines
 
 
 def format_report(d: dict) -> str:

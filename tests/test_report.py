@@ -58,7 +58,8 @@ def test_text_report_has_every_section(capsys, tmp_path):
                    "predicted transfers of one training step", "gradient flushes",
                    "cached aggregates", "cost C (Eq. 4) per epoch", "transfer lower bound",
                    "device memory per chunk", "<- this config", "throughput (GB/s)",
-                   "host buffers of one training process", "available now: they fit"):
+                   "host memory of one training process", "chunk blocks", "transfer plan",
+                   "available now: the buffers fit"):
         assert phrase in out, phrase
 
 
@@ -71,8 +72,8 @@ def test_host_buffers_set_against_available_memory(capsys, tmp_path, monkeypatch
     monkeypatch.setattr(hongtu.engine.buffers, "available_host_memory", lambda: 1000)
     rc, out, err = run(capsys, "report", CONFIG, *base(tmp_path), "--parts-list", "2")
     assert rc == 0, err
-    assert "1000 B available now: too little, training would stop with 'host memory " \
-        "too small'" in out
+    assert "1000 B available now: the buffers do not fit, training would stop with " \
+        "'host memory too small'" in out
     with pytest.raises(UserError, match="host memory too small"):
         Trainer(load_config(CONFIG, base(tmp_path, f"output.dir={tmp_path / 'run'}")),
                 out=lambda _: None)
@@ -188,8 +189,22 @@ def test_predicted_bytes_equal_what_the_engine_moves(tmp_path, extra):
         (f"{kind}^{l}", t.nbytes) for kind, ts in (("h", buf.h), ("grad h", buf.grad),
                                                   ("a", buf.agg))
         for l, t in enumerate(ts) if t is not None and (kind != "h" or l > 0)]
-    assert not data["host"]["resident"]
-    assert sorted(map(tuple, data["host"]["entries"])) == sorted(made)
+    host = data["host"]
+    assert not host["resident"]
+    assert sorted(map(tuple, host["entries"])) == sorted(made)
+    # and so are the blocks (int64 on a CPU, pinned int32 on a GPU, none in host
+    # memory where they stay on the device), the structure and the plan
+    g, blocks = trainer.graph, [b for b in trainer.chunks.blocks if b is not None]
+    assert dict(map(tuple, host["others"])) == {
+        "chunk blocks": 0 if trainer.blocks_fit and "engine.accelerator=cuda" in extra
+        else sum(b.nbytes() for b in blocks),
+        "structure": sum(a.nbytes for a in (g.indptr, g.indices, g.y, g.train_mask,
+                                            g.val_mask, g.test_mask)),
+        "transfer plan": sum(a.nbytes for a in trainer.transfer_plan.to_npz_dict().values()),
+        "flush staging": sum(t.nbytes for t in trainer.executor.mover._stages or [])}
+    # (copies in load order on a GPU: all of them where host memory holds them, as here)
+    assert sum(host["ordered_bytes"]) == (trainer.executor.ordered_input_bytes
+                                          + trainer.executor.ordered_row_bytes)
     if extra[:2] == ["engine.parts=1", "model.layers=3"] and len(extra) == 3:
         # the last layer's rows stay from the forward pass before it
         assert trainer.executor.rows_kept and trainer.executor._rows_layer == 2

@@ -270,27 +270,47 @@ def _block_runs(block, skip: tuple[str, ...]) -> list[tuple[Tensor, list[tuple[s
     return out
 
 
+def _block_arrays(num_src: int, num_dst: int, num_edges: int, num_nodes: int, itemsize: int,
+                  narrow: bool = True) -> list[tuple[str, int, int, str]]:
+    """``(name, elements, element size, kind)`` of a block's arrays of these sizes in
+    :data:`BLOCK_LAYOUT` order: index arrays narrowed to int32 where their values
+    fit (``narrow``, as :func:`narrow_index`; values are local positions and
+    edge counts, global ids for ``src_ids``; an empty array stays int64),
+    degrees ``itemsize`` wide."""
+    numel = {"indices": num_edges, "indptr": num_dst + 1, "src_ids": num_src,
+             "t_indptr": num_src + 1, "t_indices": num_edges, "t_perm": num_edges,
+             "src_in_deg": num_src, "dst_in_deg": num_dst}
+    out = []
+    for name in BLOCK_LAYOUT:
+        if name.endswith("_deg"):
+            out.append((name, numel[name], itemsize, "float"))
+            continue
+        fits = narrow and (num_nodes if name == "src_ids" else num_edges) < 2**31 \
+            and numel[name]
+        out.append((name, numel[name], 4 if fits else 8, "int"))
+    return out
+
+
+def block_host_bytes(num_src: int, num_dst: int, num_edges: int, num_nodes: int,
+                     itemsize: int = 4, narrow: bool = True) -> int:
+    """Bytes of a block's arrays in host memory: narrowed as :func:`pin_blocks` keeps
+    them for a GPU (``narrow``), or int64 as built (a CPU run computes with those)."""
+    return sum(k * size for _, k, size, _ in _block_arrays(num_src, num_dst, num_edges,
+                                                             num_nodes, itemsize, narrow))
+
+
 def block_copy_bytes(num_src: int, num_dst: int, num_edges: int, skip: tuple[str, ...] = (),
                      num_nodes: int = 0, itemsize: int = 4) -> int:
     """Host bytes :meth:`Mover.fetch_block` moves for a block of these sizes without
     ``skip``, laid out as :func:`pin_blocks` lays out the executor's blocks (index
-    arrays narrowed to int32 where their values fit, as ``executor._narrow``
+    arrays narrowed to int32 where their values fit, as :func:`narrow_index`
     does; degrees ``itemsize`` wide; ``num_nodes``: the global ids' range), and
     copied as :func:`_block_runs` groups them: what ``hongtu report`` counts
     for a chunk's block without building it."""
-    numel = {"indices": num_edges, "indptr": num_dst + 1, "src_ids": num_src,
-             "t_indptr": num_src + 1, "t_indices": num_edges, "t_perm": num_edges,
-             "src_in_deg": num_src, "dst_in_deg": num_dst}
     layout, at = [], 0
-    for name in BLOCK_LAYOUT:
-        degree = name.endswith("_deg")
-        # (values: local positions and edge counts, global ids for src_ids; an
-        # empty array stays int64 and travels in no run)
-        fits = (num_nodes if name == "src_ids" else num_edges) < 2**31 and numel[name]
-        size = itemsize if degree else (4 if fits else 8)
-        kind = ("float", size) if degree else ("int", size)
-        layout.append((name, at, numel[name] * size, kind))
-        at += -(-numel[name] * size // 128) * 128
+    for name, k, size, kind in _block_arrays(num_src, num_dst, num_edges, num_nodes, itemsize):
+        layout.append((name, at, k * size, (kind, size)))
+        at += -(-k * size // 128) * 128
     total, run = 0, None  # run: (start, end, kind) in bytes
     for name, start, nbytes, kind in layout:
         if name in skip or not nbytes:
@@ -351,7 +371,7 @@ class Mover:
         # while a worker thread adds earlier ones into host memory.
         stage = max(max(r for r, _ in slots.values()), int(stage_rows), 1) * w
         self._stages = ([pinned_tensor((stage,), dtype) for _ in range(_STAGES)]
-                        if self.cuda else None)
+                        if self.cuda else None)  # (flush_staging_bytes)
         self._flip = 0
         self._adder = _Adder(self.traffic) if self.cuda else None
         if self._adder is not None:
@@ -941,6 +961,12 @@ def _add_into(host: Tensor, where, vals: np.ndarray) -> None:
 
 
 _STAGES = 3  # pinned flush staging areas (flushes in flight to the CPU adder)
+
+
+def flush_staging_bytes(slot_rows: int, stage_rows: int, max_width: int, itemsize: int) -> int:
+    """Pinned host bytes of a GPU :class:`Mover`'s flush staging areas: ``_STAGES``
+    of the most rows a slot or one flush holds, at the widest row."""
+    return _STAGES * max(int(slot_rows), int(stage_rows), 1) * int(max_width) * int(itemsize)
 
 
 class _Adder:
