@@ -613,8 +613,8 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         # (host copies in load order, one process's: the inputs' loads, the rows' first loads)
         loads = max(int(p.load_ids.shape[0]) for p in plan.plans)
         out["host_ordered"] = (
-            loads * widths[0] * itemsize if gpu and e.ordered_inputs and not hand.whole[0]
-            else 0,
+            loads * widths[0] * itemsize
+            if gpu and e.ordered_inputs and e.overlap and not hand.whole[0] else 0,
             max(counts, default=0) * itemsize * sum(w for w, o in zip(widths, ordered) if o))
         return out
 
