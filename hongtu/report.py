@@ -514,6 +514,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         first_load_traffic,
         first_loaded_rows,
         first_step_rows,
+        flush_staging_elements,
         held_rows,
         ordered_row_layers,
         own_rows_copied,
@@ -523,6 +524,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         plan_handoffs,
         reads_rows_once,
         resolved_checkpoint,
+        written_first,
     )
     from hongtu.engine.trainer import load_data
     from hongtu.nn.model import build_model
@@ -612,6 +614,16 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
                        own, fwd, into, blocks)
         # (host copies in load order, one process's: the inputs' loads, the rows' first loads)
         loads = max(int(p.load_ids.shape[0]) for p in plan.plans)
+        # (the most elements one gradient flush stages in pinned host memory, of any
+        # process: its plan's flushes, those written going straight to host memory)
+        span = s.partition.chunk_ptr
+        out["host_staging"] = max(flush_staging_elements(
+            p, written_first(p, n, (lambda c: (int(span[c]), int(span[c + 1])))
+                             if not own_read and any(needs_dst[1:]) else None)[1],
+            [True] * len(widths), widths, hand.whole, into, hand.held and not into,
+            [d and not own_read for d in needs_dst],
+            int(s.sizes.num_dst[np.unique(np.asarray(p.chunk_ids))].max(initial=0)))
+            for p in plan.plans) if gpu else 0
         out["host_ordered"] = (
             loads * widths[0] * itemsize
             if gpu and e.ordered_inputs and e.overlap and not hand.whole[0] else 0,
@@ -641,7 +653,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
                                                                   minlength=m).max())
     host = _host_memory(main, rows, widths, stored, itemsize, traffic.pop("host_grads"),
                         bool(resident and resident["resident"]), gpu, structure_bytes,
-                        traffic.pop("host_ordered"), e.devices)
+                        traffic.pop("host_ordered"), traffic.pop("host_staging"), e.devices)
     data = {
         "graph": info,
         "model": {"layers": [repr(x) for x in model.layers], "widths": widths,
@@ -670,7 +682,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
 
 def _host_memory(s: _Setting, rows: int, widths: list[int], stored: list[bool], itemsize: int,
                  grads: list[bool], resident: bool, gpu: bool, structure_bytes: int,
-                 ordered: tuple[int, int], devices: int) -> dict:
+                 ordered: tuple[int, int], staged: int, devices: int) -> dict:
     """What one training process holds in host memory out of core, as the trainer
     allocates it: its buffers (the trainer's
     :class:`~hongtu.engine.buffers.BufferPlan`, the check it makes before
@@ -678,7 +690,8 @@ def _host_memory(s: _Setting, rows: int, widths: list[int], stored: list[bool], 
     order), its chunks' blocks (int32 where they fit and pinned on a GPU, unless
     they stay on the device; int64 on a CPU), the renumbered structure with
     labels and masks, the transfer plan, on a GPU the pinned areas gradient
-    flushes are staged in, and, up to ``ordered``, the
+    flushes are staged in (each of ``staged`` elements, the largest flush), and,
+    up to ``ordered``, the
     copies kept in load order (inputs, later rows), which training takes
     where 80% of the memory then available holds them. Set against the host
     memory this machine has available now. Resident training allocates the
@@ -698,9 +711,7 @@ def _host_memory(s: _Setting, rows: int, widths: list[int], stored: list[bool], 
         if devices > 1 else sum(per_chunk)
     plan_bytes = sum(a.nbytes for a in s.plan.to_npz_dict().values())
     # (a GPU's pinned areas that receive gradient flushes while a thread adds them)
-    staging = flush_staging_bytes(int(sz.num_dst.max()),
-                                  max(p.buffer_rows for p in s.plan.plans), max(widths),
-                                  itemsize) if gpu else 0
+    staging = flush_staging_bytes(staged, itemsize) if gpu else 0
     others = [("chunk blocks", blocks), ("structure", structure_bytes),
               ("transfer plan", plan_bytes), ("flush staging", staging)]
     total = sum(b for _, b in buffers + others)

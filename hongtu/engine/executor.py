@@ -597,6 +597,58 @@ def _own_positions(chunks: ChunkSet) -> dict[int, int]:
     return at
 
 
+def written_first(plan: DevicePlan, num_rows: int = 0, own_range=None,
+                  row0: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each step's gradient flushes, those that may be written first
+    (:func:`_first_flushes_first`): ``(order, split, written)``, the positions
+    in ``plan.flush_ids`` in that order, where each step's written ones end,
+    and which rows (of ``num_rows`` at least, from ``row0``) a flush writes.
+    ``own_range(c)``: the rows of chunk ``c``, whose own-row gradient the chunk
+    adds at its step (layers that read their destinations' rows); without it,
+    no row gets one."""
+    ids = np.asarray(plan.flush_ids, dtype=np.int64) - row0
+    ptr = np.asarray(plan.flush_ptr, dtype=np.int64)
+    seen = np.zeros(max(num_rows, int(ids.max()) + 1 if ids.size else 0), dtype=np.bool_)
+    own = np.full(seen.shape[0], np.iinfo(np.int64).max, dtype=np.int64)
+    for s in range(plan.num_steps if own_range is not None else 0):
+        for q in range(plan.step_ptr[s], plan.step_ptr[s + 1]):
+            v0, v1 = own_range(int(plan.chunk_ids[q]))
+            own[v0:v1] = s
+    written = np.zeros_like(seen)
+    order = np.empty(ids.shape[0], dtype=np.int64)
+    split = np.empty(ptr.shape[0] - 1, dtype=np.int64)
+    _first_flushes_first(ids, ptr, seen, own, written, order, split)
+    return order, split, written
+
+
+def flush_staging_elements(plan: DevicePlan, split: np.ndarray, written: list[bool],
+                           widths: list[int], whole: list[bool], into_first: bool, held: bool,
+                           dst_adds: list[bool], max_dst: int) -> int:
+    """Elements of the largest gradient flush a GPU step stages in pinned host
+    memory out of core (:class:`~hongtu.engine.transfer.Mover`'s flush staging):
+    a backward pass of layer ``l >= 1`` flushes its step's rows of ``∇h^l``
+    (``widths[l]`` wide), and with ``written[l]`` only those added (``split``,
+    :func:`written_first`: a written flush goes straight to host memory); none
+    where the layer moves whole (``whole``), for ``∇h^1`` into the first
+    layer's backward (``into_first``), nor at the last step where layer 1
+    holds its gradients for the first layer's (``held``,
+    :func:`gradients_held`). ``dst_adds[l]``: its chunks' own-row gradients
+    (at most ``max_dst`` rows) are added in host memory."""
+    ptr = np.asarray(plan.flush_ptr, dtype=np.int64)
+    counts = [ptr[1:] - ptr[:-1], ptr[1:] - split]
+    most = 0
+    for l in range(1, len(widths) - 1):
+        if whole[l]:
+            continue
+        if not (l == 1 and into_first):
+            steps = counts[bool(written[l])]
+            steps = steps[:-1] if l == 1 and held else steps
+            most = max(most, int(steps.max(initial=0)) * widths[l])
+        if dst_adds[l]:
+            most = max(most, int(max_dst) * widths[l])
+    return most
+
+
 class _PlanOnDevice:
     """A :class:`DevicePlan`'s index arrays on the compute device, sliced per step."""
 
@@ -614,17 +666,7 @@ class _PlanOnDevice:
         # the chunk adds at its step (layers that read their destinations'
         # rows); without it, no row gets one.
         ids = np.asarray(plan.flush_ids, dtype=np.int64) - row0
-        ptr = np.asarray(plan.flush_ptr, dtype=np.int64)
-        seen = np.zeros(max(num_rows, int(ids.max()) + 1 if ids.size else 0), dtype=np.bool_)
-        own = np.full(seen.shape[0], np.iinfo(np.int64).max, dtype=np.int64)
-        for s in range(plan.num_steps if own_range is not None else 0):
-            for q in range(plan.step_ptr[s], plan.step_ptr[s + 1]):
-                v0, v1 = own_range(int(plan.chunk_ids[q]))
-                own[v0:v1] = s
-        written = np.zeros_like(seen)
-        order = np.empty(ids.shape[0], dtype=np.int64)
-        self.flush_split = np.empty(ptr.shape[0] - 1, dtype=np.int64)
-        _first_flushes_first(ids, ptr, seen, own, written, order, self.flush_split)
+        order, self.flush_split, written = written_first(plan, num_rows, own_range, row0)
         self.flush_ids = ids[order]  # for host adds
         self.flush_slots = dev(np.asarray(plan.flush_slots)[order])
         self.flush_ids_dev = dev(self.flush_ids)
@@ -814,10 +856,6 @@ class Executor:
         self._rowmem = torch.empty(size, dtype=self.dtype, device=device)
         twins = row_memory(rows, widths)  # the buffer and its gradient twin; staging after
         self._tbuf, self._gbuf = self._rowmem[:twins].chunk(2)
-        self.mover = Mover(device, {k: (max_dst if w else 0, w) for k, w in slot_w.items()},
-                           max(widths), self.dtype,
-                           stage_rows=0 if self.resident else plan.buffer_rows,
-                           load_rows=stage, overlap=overlap, stage=self._rowmem[twins:])
         ordered = ordered_inputs and not self.resident and (overlap or device.type == "cpu")
         n = buffers.h[0].shape[0]
         once = reads_rows_once(model, checkpoint)
@@ -833,6 +871,16 @@ class Executor:
         self._in_flushes = first_in_flushes and first_backward_in_flushes(
             model, self.cached, hand.whole, hand.kept, self._own_at is not None, self._direct)
         self._hold = not self._direct and hand.held and not self._in_flushes
+        # Pinned areas gradient flushes are staged in, as large as the largest flush.
+        written = [g is not None and g.device.type == "cpu" and g.is_pinned()
+                   for g in buffers.grad]
+        flushes = 0 if self.resident else flush_staging_elements(
+            plan, self.plan.flush_split, written, widths, hand.whole, self._in_flushes,
+            self._hold, [d and self._own_at is None for d in
+                         (layer.needs_dst for layer in model.layers)], max_dst)
+        self.mover = Mover(device, {k: (max_dst if w else 0, w) for k, w in slot_w.items()},
+                           max(widths), self.dtype, load_rows=stage, overlap=overlap,
+                           stage=self._rowmem[twins:], flush_elements=flushes)
         if self._in_flushes:
             w0 = widths[0]
             self._flush_piece = flush_piece_rows(w0, buffers.h[0].element_size(),

@@ -336,6 +336,11 @@ class Mover:
             work is bracketed by CUDA events on its stream (no synchronisation
             in the batch loop); :meth:`settle` reads them once per epoch.
         stage_rows: the most rows one gradient flush moves (pinned staging).
+        flush_elements: the most elements one gradient flush moves, which sizes
+            the pinned staging areas instead of ``stage_rows`` and ``slots``
+            (the executor's exact figure,
+            :func:`~hongtu.engine.executor.flush_staging_elements`); a larger
+            flush grows them (``staging_grown`` counts it).
         load_rows: the most neighbour rows a step after the first loads (the
             device staging area that lets them travel during the previous step).
         overlap: run transfers on their own streams, one batch ahead; otherwise
@@ -346,7 +351,8 @@ class Mover:
 
     def __init__(self, device: torch.device, slots: dict[str, tuple[int, int]], max_width: int,
                  dtype: torch.dtype, timed: bool = True, stage_rows: int = 0,
-                 load_rows: int = 0, overlap: bool = True, stage: Tensor | None = None) -> None:
+                 load_rows: int = 0, overlap: bool = True, stage: Tensor | None = None,
+                 flush_elements: int | None = None) -> None:
         self.device = device
         self.dtype = dtype
         self.traffic = Traffic()
@@ -369,9 +375,13 @@ class Mover:
             self._rows_stage = stage
         # Pinned staging areas for gradient flushes: they receive flushes by DMA
         # while a worker thread adds earlier ones into host memory.
-        stage = max(max(r for r, _ in slots.values()), int(stage_rows), 1) * w
+        stage = (max(max(r for r, _ in slots.values()), int(stage_rows), 1) * w
+                 if flush_elements is None else int(flush_elements))
         self._stages = ([pinned_tensor((stage,), dtype) for _ in range(_STAGES)]
-                        if self.cuda else None)  # (flush_staging_bytes)
+                        if self.cuda and stage > 0 else [])  # (flush_staging_bytes)
+        #: times a flush (or a gather from unpinned memory) found the staging areas
+        #: too small, and the most elements one of them staged
+        self.staging_grown = self.staged_most = 0
         self._flip = 0
         self._adder = _Adder(self.traffic) if self.cuda else None
         if self._adder is not None:
@@ -581,7 +591,7 @@ class Mover:
         view = self._view(host)
         if view is None:  # unpinned host memory: gather on the CPU, then one copy
             self.drain()  # the staging areas may still hold a flush
-            stage = self._stages[0][: rows * width].view(rows, width)
+            stage = self._stage(0, rows * width).view(rows, width)
             with self.timing("time_h2d_s"):
                 torch.index_select(host, 0, ids.cpu(), out=stage)
                 buf.index_copy_(0, slots, stage.to(self.device, non_blocking=True))
@@ -883,15 +893,28 @@ class Mover:
             self._add(host, where, value.contiguous().numpy())
             return
         k = self._flip
-        self._flip = (k + 1) % len(self._stages)
+        self._flip = (k + 1) % _STAGES
         self._adder.wait_free(k)  # the add that last used this staging area is done
-        stage = self._stages[k][: value.numel()].view(value.shape)
+        stage = self._stage(k, value.numel()).view(value.shape)
         with self._on(self.s_out), self.timing("time_d2h_s", self.s_out):
             stage.copy_(value, non_blocking=True)
         self._keep(value)
         done = torch.cuda.Event()
         done.record(self.s_out)
         self._adder.submit(k, host, where, stage, done)
+
+    def _stage(self, k: int, numel: int) -> Tensor:
+        """The first ``numel`` elements of pinned staging area ``k``. Areas too
+        small for them are all replaced by larger ones first (after every add
+        that reads them is done)."""
+        if numel == 0:
+            return torch.empty(0, dtype=self.dtype)
+        if not self._stages or self._stages[0].numel() < numel:
+            self.drain()
+            self._stages = [pinned_tensor((numel,), self.dtype) for _ in range(_STAGES)]
+            self.staging_grown += 1
+        self.staged_most = max(self.staged_most, numel)
+        return self._stages[k][:numel]
 
     def drain(self) -> None:
         """Wait until every flush so far has been added into host memory."""
@@ -963,10 +986,11 @@ def _add_into(host: Tensor, where, vals: np.ndarray) -> None:
 _STAGES = 3  # pinned flush staging areas (flushes in flight to the CPU adder)
 
 
-def flush_staging_bytes(slot_rows: int, stage_rows: int, max_width: int, itemsize: int) -> int:
+def flush_staging_bytes(elements: int, itemsize: int) -> int:
     """Pinned host bytes of a GPU :class:`Mover`'s flush staging areas: ``_STAGES``
-    of the most rows a slot or one flush holds, at the widest row."""
-    return _STAGES * max(int(slot_rows), int(stage_rows), 1) * int(max_width) * int(itemsize)
+    of ``elements``, the largest flush
+    (:func:`~hongtu.engine.executor.flush_staging_elements`)."""
+    return _STAGES * int(elements) * int(itemsize)
 
 
 class _Adder:

@@ -513,6 +513,35 @@ def test_first_backward_runs_on_layer_1_flushes(which, chunks):
     assert p.d2h_bytes - t.d2h_bytes == 4 * (flushed - held(plain)) * w1
 
 
+def test_flush_staging_is_the_largest_staged_flush():
+    """The pinned flush staging a GPU step needs (in elements): the most rows
+    one step of a layer ``l >= 1`` flushes at its width (only those added,
+    where flushes are written), none for a layer moving whole, ∇h^1 into the
+    first layer's backward or layer 1's last step where it holds them, and a
+    chunk's own rows where they are added in host memory. (The GPU oracle
+    checks every executor's figure against the flushes it stages.)"""
+    from types import SimpleNamespace
+
+    plan = SimpleNamespace(flush_ptr=np.array([0, 5, 7, 17]))  # 5, 2, 10 rows a step
+    split = np.array([3, 6, 12])  # 2, 1, 5 of them added
+    widths, no = [8, 4, 6, 3], [False] * 4
+
+    def most(written=no, whole=no, into=False, held=False, adds=no, dst=30):
+        return executor.flush_staging_elements(plan, split, written, widths, whole, into,
+                                               held, adds, dst)
+
+    assert most() == 10 * 6
+    assert most(written=[True] * 4) == 5 * 6
+    assert most(written=[False, False, True, False]) == 10 * 4
+    assert most(whole=[False, False, True, False]) == 10 * 4
+    assert most(whole=[False, False, True, False], held=True) == 5 * 4
+    assert most(whole=[False, False, True, False], into=True) == 0
+    assert most(into=True) == 10 * 6
+    assert most(adds=[False, True, False, False]) == 30 * 4
+    assert most(whole=[False, True, False, False], adds=[False, True, False, False]) == 10 * 6
+    assert most(adds=[True, False, False, False], dst=100) == 10 * 6  # (no ∇h^0)
+
+
 @pytest.mark.parametrize("chunks", [6, 12])
 @pytest.mark.parametrize("without", ["grads", "rows"])
 def test_narrow_last_layer_stays_on_the_device(chunks, without, monkeypatch):
@@ -962,6 +991,10 @@ def test_cuda_step_equals_full_graph(layer, checkpoint, mode, monkeypatch):
     # the loss read after backward is issued: everything in pinned host memory
     assert ex._late_result == (not mode.startswith("resident"))
     moved, expect = ex.mover.traffic, on_cpu.mover.traffic
+    # The pinned flush staging is as large as the largest flush the step staged.
+    stages = ex.mover._stages
+    assert ex.mover.staging_grown == 0
+    assert ex.mover.staged_most == (stages[0].numel() if stages else 0)
     if mode.startswith("resident"):
         assert ex.resident and moved.h2d_bytes == moved.d2h_bytes == 0
     else:
