@@ -7,7 +7,7 @@ the positions of its neighbours ``N_ij`` (sorted global ids) and the transpose.
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -20,7 +20,8 @@ from hongtu.nn.block import Block, block_scratch, build_block
 
 __all__ = ["ChunkSet"]
 
-_MAX_WORKERS = 8
+#: threads cutting blocks side by side, at most (each holds a |V| scratch)
+_MAX_WORKERS = 16
 #: edges from which a lone block is cut on all threads (below, waking them costs more)
 _PARALLEL_EDGES = 1 << 20
 
@@ -48,14 +49,18 @@ class ChunkSet:
     @classmethod
     def build(cls, graph: Graph, chunk_ptr: np.ndarray, num_parts: int, num_chunks: int,
               dtype: torch.dtype = torch.float32, part: int | None = None,
-              sources: tuple[np.ndarray, np.ndarray] | None = None) -> ChunkSet:
+              sources: tuple[np.ndarray, np.ndarray] | None = None,
+              finish: Callable[[Block], Block] | None = None) -> ChunkSet:
         """Cut the chunks' blocks out of ``graph`` (already renumbered).
 
         With ``part`` only that part's chunks are built, and ranges are local
         to the part's rows (a rank of a multi-process run). ``sources``: the
         chunks' neighbour sets as CSR ``(ptr, ids)``
         (:func:`hongtu.dedup.neighbour_sets`), when the plan has them already;
-        otherwise each block finds its own.
+        otherwise each block finds its own. ``finish``: applied to each block
+        as soon as it is cut, on the thread that cut it, and kept in its place
+        (the trainer pins and narrows blocks so: no int64 block waits for the
+        others).
         """
         in_deg = graph.in_degree()
         n = num_chunks
@@ -64,9 +69,10 @@ class ChunkSet:
 
         def cut(c: int, scratch: np.ndarray, parallel: bool) -> None:
             ids = None if sources is None else sources[1][sources[0][c]:sources[0][c + 1]]
-            blocks[c] = build_block(graph.indptr, graph.indices, in_deg, int(chunk_ptr[c]),
-                                    int(chunk_ptr[c + 1]), dtype, src_ids=ids, scratch=scratch,
-                                    parallel=parallel)
+            block = build_block(graph.indptr, graph.indices, in_deg, int(chunk_ptr[c]),
+                                int(chunk_ptr[c + 1]), dtype, src_ids=ids, scratch=scratch,
+                                parallel=parallel)
+            blocks[c] = block if finish is None else finish(block)
         # Blocks are cut by a numba kernel that releases the GIL: a few threads,
         # each with its own |V| scratch, build them side by side. Fewer big
         # blocks than half the threads are each cut on all threads, in turn.
@@ -75,7 +81,7 @@ class ChunkSet:
             for c in mine:
                 cut(c, scratch, parallel=True)
         else:
-            workers = max(1, min(len(mine), os.cpu_count() or 1, _MAX_WORKERS))
+            workers = max(1, min(len(mine), numba.get_num_threads(), _MAX_WORKERS))
 
             def build(group: list[int]) -> None:
                 scratch = block_scratch(graph.num_nodes)

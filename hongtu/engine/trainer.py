@@ -275,13 +275,13 @@ class Trainer:
                             f"engine.device_memory is {format_size(self.budget)}; use more "
                             "engine.chunks or raise engine.device_memory")
         t = time.perf_counter()
+        # Pinned and narrowed as each is cut, where they travel, each int64 block
+        # going as its copy is made: host memory never holds them beside the buffers.
+        pin = self.device.type == "cuda" and not self.blocks_fit
         self.chunks = ChunkSet.build(g, self.partition.chunk_ptr, parts, chunks, dtype,
-                                     part=rank if world > 1 else None, sources=neighbours)
+                                     part=rank if world > 1 else None, sources=neighbours,
+                                     finish=(lambda b: pin_blocks([b])[0]) if pin else None)
         del neighbours  # each block holds its own sources now
-        if self.device.type == "cuda" and not self.blocks_fit:
-            # Pinned and narrowed now, block by block, each int64 block going as
-            # its copy is made: host memory never holds them beside the buffers.
-            pin_blocks(self.chunks.blocks, in_place=True)
         split["blocks_s"] = time.perf_counter() - t
         # Gradients the executor will keep on the device need no host buffer
         # (its row memory is at least row_elements: it keeps at least these).

@@ -41,3 +41,34 @@ def test_blocks_from_the_plans_sources(case, parts, chunks, part, lone, monkeypa
     for c, blk in enumerate(given.blocks):
         if blk is not None:
             assert np.array_equal(blk.src_ids.numpy(), nb[1][nb[0][c]:nb[0][c + 1]])
+
+
+@pytest.mark.parametrize("lone", [False, True])
+def test_each_block_finished_as_it_is_cut(lone, monkeypatch):
+    """``finish`` takes every block once, as it is cut (on the thread pool, or a lone
+    block cut on all threads), and its result stands in the block's place: the
+    trainer pins and narrows blocks so."""
+    from hongtu.engine.pinned import slab_copies
+    from hongtu.engine.transfer import pin_blocks
+
+    if lone:
+        monkeypatch.setattr(chunks_mod, "_PARALLEL_EDGES", 0)
+    g = CASES["skewed"](seed=2)
+    p = chunk_partition(g, np.arange(g.num_nodes) % 2, 3, num_parts=2)
+    g = p.apply(g)
+
+    def copies(tensors):
+        return slab_copies(tensors, lambda n: (torch.zeros(n, dtype=torch.uint8), True))
+
+    seen = []
+
+    def finish(block):
+        seen.append(block.dst_start)
+        return pin_blocks([block], copies=copies)[0]
+
+    done = ChunkSet.build(g, p.chunk_ptr, 2, 3, part=1, finish=finish)
+    plain = ChunkSet.build(g, p.chunk_ptr, 2, 3, part=1)
+    assert sorted(seen) == sorted(b.dst_start for b in plain.blocks if b is not None)
+    same_blocks(done, ChunkSet(pin_blocks(plain.blocks, copies=copies), 2, 3,
+                               plain.chunk_ptr, plain.row0))
+    assert all(b.indices.dtype == torch.int32 for b in done.blocks if b is not None)
