@@ -1714,19 +1714,23 @@ class Executor:
             if a1 > a0:
                 g.index_add_(0, local[a0:a1], gbuf.index_select(0, slots[a0:a1]))
 
-    def step(self, epoch: int, progress=None) -> StepResult:
+    def step(self, epoch: int, progress=None, after_backward=None) -> StepResult:
         """Forward + loss + backward: leaves the full-graph gradients in the parameters.
 
         Where it may (:attr:`_late_result`), backward is issued before the
         loss is read, so the device goes from forward to backward without
         waiting for this thread, and the times of finished work are read
-        while the device ends the step.
+        while the device ends the step. ``after_backward()`` runs once
+        backward is issued, before the loss is read there (the trainer
+        issues its optimizer step behind backward so).
         """
         self.model.zero_grad(set_to_none=True)
         acc = self._forward(epoch, train=True, progress=progress)
         if not self._late_result:
             res = self._result(acc)
         self.backward(epoch, progress=progress)
+        if after_backward is not None:
+            after_backward()
         if self._late_result:
             self.mover.fold(done_only=True)
             res = self._result(acc)

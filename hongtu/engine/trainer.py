@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from hongtu.calibrate import resolve_throughput
 from hongtu.config import Config, format_size, parse_size
@@ -69,6 +70,9 @@ __all__ = ["Trainer", "resolve_device", "load_data"]
 
 log = logging.getLogger("hongtu")
 _RESULT_FILES = ("model.pt", CHECKPOINT)
+#: parameters and optimizer state at most this large (a copy each epoch) let the
+#: optimizer step be issued behind backward (Trainer.run_epoch)
+_STEP_AHEAD_BYTES = 64 << 20
 
 
 def resolve_device(accelerator: str, devices: int, local_rank: int = 0) -> torch.device:
@@ -356,6 +360,10 @@ class Trainer:
         if rows:
             self.out("\n".join(rows))
         self.optimizer = self._optimizer()
+        # (the optimizer step issued behind backward where a copy of what it
+        # changes, parameters and Adam's two moments, is small: run_epoch)
+        self._step_ahead = 3 * sum(p.numel() * p.element_size()
+                                   for p in self.model.parameters()) <= _STEP_AHEAD_BYTES
         self.preprocess_s = time.perf_counter() - t0
         #: where setup went: loading, partitioning (parts, chunk count, chunks),
         #: planning (transfer plan + reorganiser), and the rest (renumbering,
@@ -518,9 +526,25 @@ class Trainer:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         t0 = time.perf_counter()
-        res = ex.step(epoch, progress=tick)
-        self._check_finite(epoch, res.loss)
-        self.optimizer.step()
+        # Where the parameters and the optimizer's state are small, the optimizer
+        # step is issued behind backward, before the loss is read, so the device
+        # runs it at once; a non-finite loss or gradient then undoes it.
+        undo: list = []
+
+        def step_ahead() -> None:
+            undo.append(self._optimizer_snapshot())
+            self.optimizer.step()
+
+        res = ex.step(epoch, progress=tick,
+                      after_backward=step_ahead if self._step_ahead else None)
+        try:
+            self._check_finite(epoch, res.loss)
+        except Diverged:
+            if undo:
+                self._optimizer_restore(undo[0])
+            raise
+        if not undo:
+            self.optimizer.step()
         acc = ex.evaluate(epoch, progress=tick) if evaluate else None
         ex.mover.settle()
         if self.device.type == "cuda":
@@ -557,6 +581,23 @@ class Trainer:
             rec["ranks"] = per_rank
         return rec
 
+    def _optimizer_snapshot(self) -> tuple[list[Tensor], dict]:
+        """Copies of the parameters and the optimizer's state (what a step changes)."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        state = {p: {k: v.clone() if isinstance(v, Tensor) else v for k, v in st.items()}
+                 for p, st in self.optimizer.state.items()}
+        return [p.detach().clone() for p in params], state
+
+    def _optimizer_restore(self, snapshot: tuple[list[Tensor], dict]) -> None:
+        """Parameters and optimizer state as :meth:`_optimizer_snapshot` copied them."""
+        values, state = snapshot
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        with torch.no_grad():
+            for p, v in zip(params, values):
+                p.copy_(v)
+        self.optimizer.state.clear()
+        self.optimizer.state.update(state)
+
     def _check_finite(self, epoch: int, loss: float) -> None:
         """Stop on a non-finite loss or gradient, naming the epoch and the layer."""
         where = f"epoch {epoch + 1}"
@@ -564,12 +605,16 @@ class Trainer:
             raise Diverged(f"{where}: the loss is {loss}; training stopped before the "
                            "optimizer step (the last checkpoint is kept); lower train.lr or "
                            "check the input features")
-        for l, layer in enumerate(self.model.layers):
-            for name, p in layer.named_parameters():
-                if p.grad is not None and not torch.isfinite(p.grad).all():
-                    raise Diverged(f"{where}: layer {l} ({layer!r}) has a non-finite gradient "
-                                   f"in '{name}'; training stopped before the optimizer step "
-                                   "(the last checkpoint is kept); lower train.lr")
+        grads = [(l, layer, name, p.grad) for l, layer in enumerate(self.model.layers)
+                 for name, p in layer.named_parameters() if p.grad is not None]
+        # (one synchronisation for all of them; the culprit is looked for only on failure)
+        if not grads or bool(torch.stack([torch.isfinite(g).all() for *_, g in grads]).all()):
+            return
+        for l, layer, name, g in grads:
+            if not torch.isfinite(g).all():
+                raise Diverged(f"{where}: layer {l} ({layer!r}) has a non-finite gradient "
+                               f"in '{name}'; training stopped before the optimizer step "
+                               "(the last checkpoint is kept); lower train.lr")
 
     def close(self) -> None:
         """Leave the process group (all ranks together) after a distributed run."""

@@ -107,3 +107,28 @@ def test_non_finite_gradient_names_the_layer(tmp_path):
     trainer.model.layers[1].bias.register_hook(lambda g: g * float("inf"))
     with pytest.raises(Diverged, match=r"layer 1 \(GCN\(16, 7\)\).*'bias'"):
         trainer.fit(progress=False)
+
+
+def test_a_diverged_epoch_leaves_the_parameters_and_optimizer_as_they_were(tmp_path):
+    """The optimizer step goes behind backward, before the loss is read; an epoch
+    whose gradient is not finite undoes it: parameters and Adam's state are those
+    of the epoch before, bit for bit, as the message says."""
+    cfg = load_config(CFG, [f"output.dir={tmp_path}", f"engine.cache_dir={tmp_path}/c", *BASE,
+                            "train.epochs=3"])
+    trainer = Trainer(cfg, out=lambda s: None)
+    assert trainer._step_ahead
+    for epoch in range(2):
+        trainer.run_epoch(epoch, evaluate=False)
+    def state():
+        return [(p.detach().clone(), {k: torch.as_tensor(v).clone() for k, v in
+                                      trainer.optimizer.state[p].items()})
+                for p in trainer.model.parameters()]
+
+    before = state()
+    assert all(float(st["step"]) == 2 for _, st in before)
+    trainer.model.layers[1].bias.register_hook(lambda g: g * float("inf"))
+    with pytest.raises(Diverged, match=r"layer 1 .*'bias'"):
+        trainer.run_epoch(2, evaluate=False)
+    for (p, st), (q, st2) in zip(state(), before):
+        assert torch.equal(p, q) and st.keys() == st2.keys()
+        assert all(torch.equal(st[k], st2[k]) for k in st)
