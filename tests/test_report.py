@@ -526,8 +526,8 @@ def test_a_report_for_a_gpu_made_without_one_plans_the_gpu_run(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("layers, mib, trains", [
-    ("2", "71.3MiB", False), ("2", "71.35MiB", True), ("3", "71.5MiB", False),
-    ("3", "71.6MiB", True)])
+    ("2", "71.38MiB", False), ("2", "71.43MiB", True), ("3", "71.62MiB", False),
+    ("3", "71.67MiB", True)])
 def test_a_count_fits_where_training_takes_it(tmp_path, layers, mib, trains):
     """The report's ``fits`` is training's test: a chunk count whose estimate
     before the plan (a chunk's whole neighbour set buffered) exceeds the budget

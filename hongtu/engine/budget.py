@@ -11,7 +11,9 @@ The estimate is per chunk and per layer, the peak of forward and backward:
 * activations of the layer: dropped inputs (the counter-based dropout mask
   costs 32 bytes per element while it is built), the aggregate, the output
   and their gradients, plus the layer's own ``extra_device_bytes``;
-* parameters with their gradients and Adam's two moments.
+* parameters with their gradients and Adam's two moments, and, where they are
+  small enough (:func:`step_ahead`), the copy of the parameters and moments
+  the trainer takes each epoch to issue the optimizer step behind backward.
 
 On a GPU the executor measures the real peak; the estimate is what
 ``engine.chunks: auto`` is chosen with and what ``hongtu report`` shows.
@@ -67,6 +69,17 @@ class ChunkSizes:
     num_dst: np.ndarray
     num_edges: np.ndarray
 
+
+#: parameters and optimizer state at most this large (a copy each epoch) let the
+#: optimizer step be issued behind backward (:meth:`~hongtu.engine.Trainer.run_epoch`)
+STEP_AHEAD_BYTES = 64 << 20
+
+
+def step_ahead(param_bytes: int) -> bool:
+    """Whether the trainer issues the optimizer step behind backward for
+    parameters of ``param_bytes``: where a copy of them and of Adam's two
+    moments (three times as much) takes at most :data:`STEP_AHEAD_BYTES`."""
+    return 3 * int(param_bytes) <= STEP_AHEAD_BYTES
 
 def chunk_sizes(graph: Graph, perm: np.ndarray, chunk_ptr: np.ndarray) -> ChunkSizes:
     """Sizes of the chunks ``chunk_ptr`` cuts from ``graph`` renumbered by ``perm``.
@@ -269,7 +282,8 @@ def _estimate(model: GNN, sizes: ChunkSizes, itemsize: int, training: bool, num_
     fixed = (row_memory(rows, widths, stage)
              + ring * max_dst * sum(slot_widths(model, copied_dst=copied_dst).values())) \
         * itemsize
-    fixed += sum(p.numel() for p in model.parameters()) * itemsize * 4
+    params = sum(p.numel() for p in model.parameters()) * itemsize
+    fixed += params * (4 + 3 * step_ahead(params))
     fixed += num_nodes * 11  # labels (int64) and three masks (bool)
     fixed += flush_pieces_bytes(model, max_dst, itemsize) if training else 0
     fixed += _FIXED_EXTRA

@@ -43,6 +43,7 @@ from hongtu.engine.budget import (
     row_memory,
     slot_widths,
     spare_rows,
+    step_ahead,
 )
 from hongtu.engine.buffers import BufferPlan, HostBuffers
 from hongtu.engine.checkpoint import CHECKPOINT, atomic_torch_save, load_checkpoint, save_checkpoint
@@ -70,9 +71,6 @@ __all__ = ["Trainer", "resolve_device", "load_data"]
 
 log = logging.getLogger("hongtu")
 _RESULT_FILES = ("model.pt", CHECKPOINT)
-#: parameters and optimizer state at most this large (a copy each epoch) let the
-#: optimizer step be issued behind backward (Trainer.run_epoch)
-_STEP_AHEAD_BYTES = 64 << 20
 
 
 def resolve_device(accelerator: str, devices: int, local_rank: int = 0) -> torch.device:
@@ -362,8 +360,8 @@ class Trainer:
         self.optimizer = self._optimizer()
         # (the optimizer step issued behind backward where a copy of what it
         # changes, parameters and Adam's two moments, is small: run_epoch)
-        self._step_ahead = 3 * sum(p.numel() * p.element_size()
-                                   for p in self.model.parameters()) <= _STEP_AHEAD_BYTES
+        self._step_ahead = step_ahead(sum(p.numel() * p.element_size()
+                                          for p in self.model.parameters()))
         self.preprocess_s = time.perf_counter() - t0
         #: where setup went: loading, partitioning (parts, chunk count, chunks),
         #: planning (transfer plan + reorganiser), and the rest (renumbering,
