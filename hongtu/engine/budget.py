@@ -81,6 +81,7 @@ def step_ahead(param_bytes: int) -> bool:
     moments (three times as much) takes at most :data:`STEP_AHEAD_BYTES`."""
     return 3 * int(param_bytes) <= STEP_AHEAD_BYTES
 
+
 def chunk_sizes(graph: Graph, perm: np.ndarray, chunk_ptr: np.ndarray) -> ChunkSizes:
     """Sizes of the chunks ``chunk_ptr`` cuts from ``graph`` renumbered by ``perm``.
 

@@ -119,6 +119,7 @@ def test_a_diverged_epoch_leaves_the_parameters_and_optimizer_as_they_were(tmp_p
     assert trainer._step_ahead
     for epoch in range(2):
         trainer.run_epoch(epoch, evaluate=False)
+
     def state():
         return [(p.detach().clone(), {k: torch.as_tensor(v).clone() for k, v in
                                       trainer.optimizer.state[p].items()})
