@@ -529,12 +529,12 @@ class Trainer:
         # runs it at once; a non-finite loss or gradient then undoes it.
         undo: list = []
 
-        def step_ahead() -> None:
+        def issue_step() -> None:
             undo.append(self._optimizer_snapshot())
             self.optimizer.step()
 
         res = ex.step(epoch, progress=tick,
-                      after_backward=step_ahead if self._step_ahead else None)
+                      after_backward=issue_step if self._step_ahead else None)
         try:
             self._check_finite(epoch, res.loss)
         except Diverged:
