@@ -174,8 +174,8 @@ class EngineConfig:
     accelerator: Literal["auto", "cpu", "cuda"] = _f("auto", "auto | cpu | cuda")
     devices: int = _f(1, "processes / GPUs", lo=1, hi=4096)
     parts: Auto | int = _f("auto", "METIS parts; auto = devices", lo=1)
-    chunks: Auto | int = _f("auto", "chunks per part; auto = fewest that fit device_memory",
-                                  lo=1)
+    chunks: Auto | int = _f("auto", "chunks per part; auto = fewest that fit device_memory "
+                                  "(one count more where those load rows again)", lo=1)
     device_memory: Auto | str | int = _f(
         "auto", "device memory budget, e.g. 8GiB; auto = what the device has", check=_check_size)
     partitioner: Literal["metis", "range", "random"] = _f("metis", "metis | range | random")

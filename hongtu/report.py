@@ -506,7 +506,13 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     """
     import torch
 
-    from hongtu.engine.budget import Chunkings
+    from hongtu.engine.budget import (
+        Chunkings,
+        more_chunks,
+        more_chunks_text,
+        plan_loads,
+        takes_more_chunks,
+    )
     from hongtu.engine.executor import (
         early_layers,
         first_backward_in_flushes,
@@ -588,6 +594,25 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
            # (as training decides where loads and stores overlap: a GPU with overlap)
            "overlapped": e.overlap and gpu, "device": "cuda" if gpu else "cpu"}
     main = _plan_chunks(graph, assignment, m, n, ctx)
+    # (as training: out of core with kept rows, auto plans one count more where
+    # the fewest that fit load rows again, and takes it where it loads fewer)
+    planned = {n: main}
+    if (e.chunks == "auto" and budget is not None and e.dedup.reuse and e.dedup.cache
+            and not (resident and resident["resident"])):
+        loaded, distinct = plan_loads(main.plan.plans, graph.num_nodes)
+        more = more_chunks(n, loaded, distinct, int(np.bincount(assignment, minlength=m).min()))
+        if more is not None:
+            other = _plan_chunks(graph, assignment, m, more, ctx)
+            if other.need_unplanned <= budget:
+                planned[more] = other
+                more_loaded = plan_loads(other.plan.plans, graph.num_nodes)[0]
+                chosen = more if (takes_more_chunks(loaded, more_loaded)
+                                  and other.device_bytes <= budget) else n
+                notes.append(more_chunks_text(n, loaded / distinct, more,
+                                              more_loaded / distinct, chosen))
+                if chosen == more:
+                    main, n = other, more
+                    chunks_how += f", then {more}: fewer rows loaded again"
     t["plan_s"] = time.perf_counter() - t0
 
     def traffic_of(s: _Setting) -> dict:
@@ -633,8 +658,9 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     t0 = time.perf_counter()
     memory = []
     smallest = int(np.bincount(assignment, minlength=m).min())
-    for k in _alternatives(n, smallest, chunks_list):
-        s = main if k == n else _plan_chunks(graph, assignment, m, k, ctx, compare=False)
+    for k in sorted({*_alternatives(n, smallest, chunks_list), *planned}):
+        s = planned[k] if k in planned else _plan_chunks(graph, assignment, m, k, ctx,
+                                                          compare=False)
         tr = traffic_of(s)
         memory.append({"chunks": k, "device_bytes": s.device_bytes,
                        # (as training: the count's estimate before the plan, then with it)
@@ -852,7 +878,8 @@ def _memory_section(d: dict) -> list[str]:
             few = mem["suggested_chunks"]
             lines.append(f"  predicted fastest: engine.chunks={fast} (lower bound "
                          f"{_ms(bound[fast])}, {1 - bound[fast] / bound[few]:.0%} below "
-                         f"{few}'s); engine.chunks=auto takes the fewest that fit")
+                         f"{few}'s); engine.chunks=auto takes the fewest that fit, or the "
+                         "next count where those load rows again and it loads fewer")
     else:
         lines.append("  none listed fits: try more chunks (--chunks-list) or raise "
                      "engine.device_memory")

@@ -358,6 +358,55 @@ def test_chunks_auto(tmp_path):
     assert d["engine"]["chunks"] == expect
 
 
+def _rmat16_gcn3(tmp_path, *extra: str):
+    return load_config(CONFIG, ["data.path=builtin:rmat-16", "engine.partitioner=range",
+                                "engine.parts=1", "engine.accelerator=cpu", "model.layers=3",
+                                "model.hidden=256", "engine.device_memory=200MiB",
+                                f"engine.cache_dir={tmp_path / 'cache'}",
+                                f"output.dir={tmp_path / 'run'}", *extra])
+
+
+def test_chunks_auto_plans_one_count_more_where_rows_load_again(tmp_path):
+    # 32 chunks, the fewest that fit, load rows again (1.60x their distinct
+    # rows per pass); 48 leave room to keep more of them (1.10x): training and
+    # the report take 48 and plan, predict and move the same bytes.
+    cfg = _rmat16_gcn3(tmp_path, "engine.chunks=auto")
+    d = build_report(cfg, parts_list=[], chunks_list=[]).data
+    said = "engine.chunks=auto: 32 chunks per part, the fewest that fit, load 1.60x"
+    assert d["engine"]["chunks"] == 48 and d["engine"]["chunks_how"].endswith(
+        ", then 48: fewer rows loaded again")
+    assert any(x.startswith(said) and x.endswith("48 load 1.10x: 48 taken")
+               for x in d["notes"])
+    assert d["memory"]["suggested_chunks"] == 32  # (the fewest that fit, as before)
+    lines = []
+    tr = Trainer(cfg, overwrite=True, out=lines.append)
+    assert tr.partition.num_chunks == tr.chunks.num_chunks == 48
+    assert tr.more_chunks[0] == 32 and tr.more_chunks[2] == 48
+    assert said in "\n".join(lines)
+    assert tr.transfer_plan.h2d_rows == d["volumes"]["plan"]["h2d_rows"]
+    assert tr.estimate <= tr.room
+    fewest = Trainer(_rmat16_gcn3(tmp_path, "engine.chunks=32"), overwrite=True,
+                     out=lambda _: None)
+    assert fewest.more_chunks is None  # (a count configured: one plan)
+    assert tr.transfer_plan.h2d_rows < 0.9 * fewest.transfer_plan.h2d_rows
+    a, b = tr.run_epoch(0, evaluate=False), fewest.run_epoch(0, evaluate=False)
+    assert a["h2d_bytes"] == d["transfers"]["epoch"]["h2d_bytes"] < b["h2d_bytes"]
+    assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"])
+    # Where the next count loads hardly fewer rows, it is planned and not taken.
+    tight = _rmat16_gcn3(tmp_path, "engine.chunks=auto", "engine.device_memory=120MiB")
+    d = build_report(tight, parts_list=[], chunks_list=[]).data
+    assert d["engine"]["chunks"] == 384 and d["engine"]["chunks_how"].endswith("120.00 MiB")
+    assert any(x.endswith(": 384 taken") and " 512 load " in x for x in d["notes"])
+    tr = Trainer(tight, overwrite=True, out=lambda _: None)
+    assert tr.chunks.num_chunks == 384 and tr.more_chunks[2] == 512
+    assert tr.transfer_plan.h2d_rows == d["volumes"]["plan"]["h2d_rows"]
+    # Without kept rows more chunks buy nothing: auto stays at the fewest.
+    plain = build_report(_rmat16_gcn3(tmp_path, "engine.chunks=auto",
+                                      "engine.dedup.cache=false"), parts_list=[],
+                         chunks_list=[]).data
+    assert plain["engine"]["chunks"] == 32 and not any("taken" in x for x in plain["notes"])
+
+
 def test_report_allocates_no_training_buffers(tmp_path, monkeypatch):
     from hongtu.engine import buffers
 

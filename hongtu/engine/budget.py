@@ -38,8 +38,9 @@ __all__ = ["AUTO_BUDGET_FRACTION", "CHUNK_CANDIDATES", "ROWS_PER_EXTRA_CHUNK", "
            "Chunkings", "check_device_budget", "choose_chunks", "choose_resident", "chunk_sizes",
            "estimate_device_bytes", "first_layer_stores", "first_layer_whole_faster",
            "grown_row_memory", "kept_graph_bytes", "kept_graph_layers", "kept_graph_need",
-           "kept_graphs", "leftover_bytes", "resident_block_bytes", "row_memory", "slot_widths",
-           "spare_rows", "whole_layer_needs"]
+           "kept_graphs", "leftover_bytes", "more_chunks", "more_chunks_text", "plan_loads",
+           "resident_block_bytes", "row_memory", "slot_widths", "spare_rows",
+           "takes_more_chunks", "whole_layer_needs"]
 
 CHUNK_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512,
                     768, 1024, 1536, 2048, 4096)
@@ -583,6 +584,69 @@ def choose_chunks(graph: Graph, assignment: np.ndarray, num_parts: int, model: G
         f"engine.device_memory={format_size(budget)} is too small: even {n} chunks per part "
         f"need {format_size(least)} on the device; raise engine.device_memory to at least "
         f"{format_size(least * 1.1)}, or lower model.hidden")
+
+
+#: ``engine.chunks: auto`` out of core, keeping rows (``engine.dedup.cache``):
+#: where the fewest chunks that fit load rows again within a pass (rows the
+#: budget left no room to keep through their gaps) by more than
+#: :data:`RELOADS_FOR_MORE_CHUNKS` of the distinct rows they load, the next
+#: count of :data:`CHUNK_CANDIDATES` is planned too (:func:`more_chunks`), and
+#: taken where its plan fits and loads at least :data:`FEWER_LOADS_FOR_MORE_CHUNKS`
+#: fewer rows (:func:`takes_more_chunks`): smaller chunks leave more of the
+#: budget for kept rows. On an H200, GCN 3×256 at a quarter of PyG's memory:
+#: products-like 24 chunks load 1.32× their distinct rows per pass and 32
+#: chunks 1.02× (0.268 against 0.255 s per epoch), R-MAT 2^22 1.20× against
+#: 1.00× (0.412 against 0.391 s); GIN and SAGE 2×256 on products-like 1.11× and
+#: 1.18× at 24 chunks, 1.5% and 6% faster at 32 (``bench/HISTORY.md``). Where
+#: the fewest load each row about once (GCN 2×256: products-like 1.02× at 16
+#: chunks, R-MAT 2^22 1.00×, R-MAT 2^24 1.03×, reddit-like 1.00×) more chunks
+#: were not faster (0.072 s at 16 against 0.073-0.076 s at 20-32 on
+#: products-like), and no second plan is made: the setup stays one plan there.
+RELOADS_FOR_MORE_CHUNKS = 0.05
+FEWER_LOADS_FOR_MORE_CHUNKS = 0.10
+
+
+def plan_loads(plans, num_nodes: int) -> tuple[int, int]:
+    """Rows the device plans ``plans`` (of a transfer plan) load per layer pass
+    from host memory, and how many of them are distinct (per device, summed):
+    ``(loaded, distinct)``."""
+    loaded = distinct = 0
+    for p in plans:
+        ids = np.asarray(p.load_ids)
+        loaded += int(ids.shape[0])
+        if ids.size:
+            seen = np.zeros(num_nodes, dtype=np.bool_)
+            seen[ids] = True
+            distinct += int(np.count_nonzero(seen))
+    return loaded, distinct
+
+
+def more_chunks(chunks: int, loaded: int, distinct: int, smallest: int,
+                candidates: tuple[int, ...] = CHUNK_CANDIDATES) -> int | None:
+    """The chunk count ``engine.chunks: auto`` plans besides ``chunks`` (the fewest
+    that fit), whose plan loads ``loaded`` rows per pass, ``distinct`` of them
+    distinct: the next of ``candidates`` up to ``smallest`` (the smallest
+    part's vertices) where the plan loads rows again by more than
+    :data:`RELOADS_FOR_MORE_CHUNKS` of the distinct ones; ``None`` otherwise."""
+    if distinct <= 0 or loaded <= distinct * (1 + RELOADS_FOR_MORE_CHUNKS):
+        return None
+    return next((c for c in candidates if chunks < c <= smallest), None)
+
+
+def takes_more_chunks(loaded: int, loaded_more: int) -> bool:
+    """Does ``auto`` take the count of :func:`more_chunks`, whose plan loads
+    ``loaded_more`` rows per pass against ``loaded``?"""
+    return loaded_more <= loaded * (1 - FEWER_LOADS_FOR_MORE_CHUNKS)
+
+
+def more_chunks_text(fewest: int, reloads: float, more: int, more_reloads: float,
+                     chosen: int) -> str:
+    """What ``engine.chunks: auto`` said of the count of :func:`more_chunks`: the
+    fewest that fit loaded ``reloads`` times their distinct rows per pass, the
+    other count ``more_reloads`` times the same rows."""
+    return (f"engine.chunks=auto: {fewest} chunks per part, the fewest that fit, load "
+            f"{reloads:.2f}x their distinct rows per pass; {more} load {more_reloads:.2f}x: "
+            f"{chosen} taken")
 
 
 #: Resident, a graph of this many vertices or more per chunk added keeps the

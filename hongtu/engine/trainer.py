@@ -39,11 +39,15 @@ from hongtu.engine.budget import (
     kept_graph_need,
     kept_graphs,
     leftover_bytes,
+    more_chunks,
+    more_chunks_text,
+    plan_loads,
     resident_block_bytes,
     row_memory,
     slot_widths,
     spare_rows,
     step_ahead,
+    takes_more_chunks,
 )
 from hongtu.engine.buffers import BufferPlan, HostBuffers
 from hongtu.engine.checkpoint import CHECKPOINT, atomic_torch_save, load_checkpoint, save_checkpoint
@@ -188,25 +192,30 @@ class Trainer:
         stored = self.model.stored_aggregates(self.checkpoint_mode)  # host buffers of aggregates
         once = reads_rows_once(self.model, self.checkpoint_mode)  # (h^1 may stay on the device)
         copied = own_rows_copied(self.model, cached, own_src)
+        chunkings = self._chunkings  # the chunkings tried for the chunk count
+        del self._chunkings
         if chunks is None and e.chunks == "auto":
             chunks, _ = choose_chunks(graph, assignment, parts, self.model, self.room, itemsize,
-                                      chunkings=self._chunkings, overlap=e.overlap,
+                                      chunkings=chunkings, overlap=e.overlap,
                                       copied_dst=copied, device=self.device.type)
         elif chunks is None:
             chunks = e.chunks
-        part, sizes = self._chunkings.get(chunks)  # (a part too small for them: UserError)
+        part, sizes = chunkings.get(chunks)  # (a part too small for them: UserError)
         self.partition = dataclasses.replace(part, method=e.partitioner, seed=cfg.train.seed)
         # (From the chunk-count search's bitmaps, when they hold them: no pass.)
-        neighbours = self._chunkings.sets(chunks)
-        del self._chunkings  # the chunkings tried for the chunk count
+        neighbours = chunkings.sets(chunks)
         partition_s = time.perf_counter() - t_part
         # (resident in one process: rows read in place, no transition buffer; the
         # executor's direct mode, where update graphs may be kept)
         direct = self.resident and world == 1
-        self.estimate = estimate_device_bytes(self.model, sizes, itemsize,
-                                              num_nodes=graph.num_nodes, overlap=e.overlap,
-                                              resident=self.resident, copied_dst=copied,
-                                              device=self.device.type, direct=direct)
+
+        def unplanned(sizes, num_nodes=graph.num_nodes) -> int:  # (before its plan)
+            return estimate_device_bytes(self.model, sizes, itemsize,
+                                         num_nodes=num_nodes, overlap=e.overlap,
+                                         resident=self.resident, copied_dst=copied,
+                                         device=self.device.type, direct=direct)
+
+        self.estimate = unplanned(sizes)
         if self.room is not None and self.estimate > self.room:
             raise UserError(f"engine.chunks={chunks} needs about {format_size(self.estimate)} "
                             f"on the device but engine.device_memory is "
@@ -224,32 +233,70 @@ class Trainer:
         split = {"renumber_s": t_plan - t_renumber}
         tp = resolve_throughput(e)  # the same cost model hongtu report shows
 
-        def estimate(dplan) -> int:  # a DevicePlan, or its DeviceNeeds before slots
+        def estimate(dplan, sizes) -> int:  # a DevicePlan, or its DeviceNeeds before slots
             return estimate_device_bytes(
                 self.model, sizes, itemsize, num_nodes=b - a, buffer_rows=dplan.buffer_rows,
                 overlap=e.overlap, load_rows=dplan.max_later_load, resident=self.resident,
                 copied_dst=copied, device=self.device.type, direct=direct)
 
+        def plan(n: int, chunk_ptr: np.ndarray, sizes, neighbours) -> tuple:
+            """``(neighbour sets, batch order, transfer plan)`` of ``n`` chunks per part."""
+            if neighbours is None:  # (their sizes are the sources the count was chosen by)
+                neighbours = neighbour_sets(g.indptr, g.indices, chunk_ptr,
+                                            counts=sizes.num_src)
+
+            def cache_rows(needs) -> int:
+                """Rows the budget left after the plan keeps resident across batches."""
+                extra = spare_rows(self.room, estimate(needs[rank], sizes),
+                                   max(self.model.row_widths()), itemsize)
+                extra = extra if e.dedup.cache and not self.resident else 0
+                return self.comm.min_int(extra) if self.comm else extra  # one plan for all
+
+            return neighbours, *plan_batches(
+                g.indptr, g.indices, chunk_ptr, parts, n,
+                reuse=e.dedup.reuse, p2p=e.dedup.p2p, reorg=e.reorg, devices=world,
+                row_bytes=itemsize * max(self.model.row_widths()), t_hd=tp["host_to_device"],
+                t_dd=tp["device_to_device"], t_ru=tp["reuse"], cache_rows=cache_rows,
+                neighbours=neighbours)
+
+        neighbours, self.order, self.transfer_plan = plan(
+            chunks, self.partition.chunk_ptr, sizes, neighbours)
+        # Out of core with kept rows, auto plans one count more where the fewest
+        # that fit load rows again within a pass, and takes it where it loads
+        # fewer (budget.more_chunks). (Every process plans alike: one choice.)
+        self.more_chunks = None  # (fewest, their loads / distinct rows, the other's)
+        want = (e.chunks == "auto" and not self.resident and self.room is not None
+                and e.dedup.reuse and e.dedup.cache)
+        if self.comm:  # (every process alike: planning is collective, cache_rows)
+            want = bool(self.comm.min_int(int(want)))
+        if want:
+            loaded, distinct = plan_loads(self.transfer_plan.plans, g.num_nodes)
+            more = more_chunks(chunks, loaded, distinct,
+                               int(chunkings.chunker.part_sizes.min()))
+            if more is not None:
+                # (the same renumbering as every count's: only the chunk bounds differ)
+                more_part, more_sizes = chunkings.get(more)
+                fits = unplanned(more_sizes) <= self.room
+                if self.comm:
+                    fits = bool(self.comm.min_int(int(fits)))
+                if fits:
+                    other = plan(more, more_part.chunk_ptr, more_sizes, chunkings.sets(more))
+                    more_loaded = plan_loads(other[2].plans, g.num_nodes)[0]
+                    self.more_chunks = (chunks, loaded / distinct, more, more_loaded / distinct)
+                    take = (takes_more_chunks(loaded, more_loaded)
+                            and estimate(other[2].plans[rank], more_sizes) <= self.room)
+                    if self.comm:
+                        take = bool(self.comm.min_int(int(take)))
+                    if take:
+                        chunks, sizes = more, more_sizes
+                        self.partition = dataclasses.replace(more_part, method=e.partitioner,
+                                                             seed=cfg.train.seed)
+                        neighbours, self.order, self.transfer_plan = other
+                    del other
+        del chunkings
         blocks = resident_block_bytes(sizes, itemsize)
-        if neighbours is None:  # (their sizes are the sources the count was chosen by)
-            neighbours = neighbour_sets(g.indptr, g.indices, self.partition.chunk_ptr,
-                                        counts=sizes.num_src)
-
-        def cache_rows(needs) -> int:
-            """Rows the budget left after the plan keeps resident across batches."""
-            extra = spare_rows(self.room, estimate(needs[rank]), max(self.model.row_widths()),
-                               itemsize)
-            extra = extra if e.dedup.cache and not self.resident else 0
-            return self.comm.min_int(extra) if self.comm else extra  # one plan for all ranks
-
-        self.order, self.transfer_plan = plan_batches(
-            g.indptr, g.indices, self.partition.chunk_ptr, parts, chunks,
-            reuse=e.dedup.reuse, p2p=e.dedup.p2p, reorg=e.reorg, devices=world,
-            row_bytes=itemsize * max(self.model.row_widths()), t_hd=tp["host_to_device"],
-            t_dd=tp["device_to_device"], t_ru=tp["reuse"], cache_rows=cache_rows,
-            neighbours=neighbours)
         self.plan_s = time.perf_counter() - t_plan
-        self.estimate = estimate(self.transfer_plan.plans[rank])
+        self.estimate = estimate(self.transfer_plan.plans[rank], sizes)
         dplan, widths = self.transfer_plan.plans[rank], self.model.row_widths()
         # Rows written in first-load order where the budget holds their index arrays.
         most = int(sizes.num_dst.max())
@@ -437,6 +484,8 @@ class Trainer:
         if tp.cached_rows:
             transfers += (f"\nspare device memory keeps {tp.cached_rows} reused rows on the "
                           "device across batches (engine.dedup.cache)")
+        if self.more_chunks is not None:
+            transfers += "\n" + more_chunks_text(*self.more_chunks, chunks)
         return (f"graph {self.graph.name}: {self.graph.num_nodes} vertices, "
                 f"{self.graph.num_edges} edges, {self.model.widths()[0]} features, "
                 f"{self.num_classes} classes\n"

@@ -20,9 +20,13 @@ from hongtu.engine.budget import (
     grown_row_memory,
     kept_graph_bytes,
     kept_graph_layers,
+    more_chunks,
+    more_chunks_text,
+    plan_loads,
     row_memory,
     slot_widths,
     spare_rows,
+    takes_more_chunks,
 )
 from hongtu.engine.executor import (
     first_layer_busy,
@@ -355,6 +359,34 @@ def test_trainer_takes_the_chosen_counts_sets_from_the_search(tmp_path, monkeypa
     assert fixed.transfer_plan.h2d_rows == auto.transfer_plan.h2d_rows
     for e in range(2):
         assert auto.run_epoch(e)["loss"] == fixed.run_epoch(e)["loss"]
+
+
+def test_more_chunks_only_where_the_fewest_load_rows_again():
+    # 5% more loads than distinct rows or fewer: no second count is planned.
+    assert more_chunks(24, 1050, 1000, 10**6) is None
+    assert more_chunks(24, 1000, 1000, 10**6) is None
+    assert more_chunks(24, 0, 0, 10**6) is None
+    # More: the next candidate count, within the smallest part.
+    assert more_chunks(24, 1051, 1000, 10**6) == 32
+    assert more_chunks(16, 1320, 1000, 10**6) == 24
+    assert more_chunks(24, 1320, 1000, 31) is None  # (32 chunks of a 31-vertex part)
+    assert more_chunks(24, 1320, 1000, 32) == 32
+    assert more_chunks(CHUNK_CANDIDATES[-1], 1320, 1000, 10**9) is None
+    # Taken where it loads a tenth fewer rows or more.
+    assert takes_more_chunks(1000, 900) and takes_more_chunks(3245, 2507)
+    assert not takes_more_chunks(1000, 901) and not takes_more_chunks(1000, 1000)
+    text = more_chunks_text(24, 1.3245, 32, 1.0232, 32)
+    assert text == ("engine.chunks=auto: 24 chunks per part, the fewest that fit, load 1.32x "
+                    "their distinct rows per pass; 32 load 1.02x: 32 taken")
+
+
+def test_plan_loads_counts_distinct_rows_per_device():
+    from types import SimpleNamespace as P
+
+    plans = [P(load_ids=np.array([3, 1, 3, 3, 7], dtype=np.int32)),
+             P(load_ids=np.array([1, 1], dtype=np.int32)), P(load_ids=np.zeros(0, np.int32))]
+    assert plan_loads(plans, 8) == (7, 4)  # (3, 1, 7 on the first device; 1 on the second)
+    assert plan_loads([], 8) == (0, 0)
 
 
 def test_layers_reading_own_rows_count_their_gradient():

@@ -84,6 +84,25 @@ def test_two_ranks_match_one_process(tmp_path, one_process):
     assert (tmp_path / "run" / "model.pt").is_file()
 
 
+def test_two_ranks_plan_one_chunk_count_more_alike(tmp_path):
+    """engine.chunks=auto under a budget where the fewest chunks that fit load
+    rows again: both ranks plan the next count too (collectively) and take it,
+    with the losses of one process at that count."""
+    args = ["model.hidden=256", "model.layers=3", "engine.device_memory=72MiB"]
+    out = hongtu(tmp_path, f"output.dir={tmp_path}/run", "engine.devices=2", *args,
+                 "engine.chunks=auto", "--metrics", f"{tmp_path}/m.jsonl")
+    assert out.returncode == 0, out.stderr
+    said = [x for x in out.stdout.splitlines() if x.startswith("engine.chunks=auto: ")]
+    assert len(said) == 1 and said[0].startswith("engine.chunks=auto: 16 chunks per part, "
+                                                 "the fewest that fit") \
+        and said[0].endswith(": 24 taken"), out.stdout
+    assert "2 part(s) x 24 chunk(s)" in out.stdout
+    ref = hongtu(tmp_path, f"output.dir={tmp_path}/ref", "engine.parts=2", *args,
+                 "engine.chunks=24", "--metrics", f"{tmp_path}/ref.jsonl")
+    assert ref.returncode == 0, ref.stderr
+    assert_same_losses(records(tmp_path / "m.jsonl"), records(tmp_path / "ref.jsonl"))
+
+
 def test_two_torchrun_nodes_on_loopback(tmp_path, one_process):
     """Two launchers, --nnodes 2, one process each, rendezvous on 127.0.0.1."""
     p = port()
