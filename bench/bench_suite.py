@@ -331,12 +331,16 @@ def warm_up(args) -> None:
             # (Few chunks split each one's edges over the threads; many are
             # dealt to them: both ways of counting a chunk's sources; the
             # chunk-count search sizes several counts at once.)
-            for engine in ({"chunks": 4},
-                           {"chunks": 8, "resident": False, "device_memory": "256MiB"},
-                           {"chunks": 64, "resident": False},
-                           {"chunks": "auto", "resident": False, "device_memory": "256MiB"}):
+            runs = [({"chunks": 4}, "gcn"),
+                    ({"chunks": 8, "resident": False, "device_memory": "256MiB"}, "gcn"),
+                    ({"chunks": 64, "resident": False}, "gcn"),
+                    ({"chunks": "auto", "resident": False, "device_memory": "256MiB"}, "gcn")]
+            if below == _kernels.SERIAL_BELOW:  # (and a layer reading its own rows: the
+                # self-loop test and its paths, else compiled in the first GIN run's setup)
+                runs += [(engine, "gin") for engine, _ in runs[1::2]]
+            for engine, layer in runs:
                 cfg = config_from_dict({
-                    "data": {"path": "builtin:rmat-16"}, "model": {"hidden": 16},
+                    "data": {"path": "builtin:rmat-16"}, "model": {"hidden": 16, "layer": layer},
                     "train": {"epochs": 1},
                     "engine": {"partitioner": "range", **engine,
                                "cache_dir": str(Path(args.workdir) / "cache")},
