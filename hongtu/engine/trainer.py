@@ -239,7 +239,7 @@ class Trainer:
                 overlap=e.overlap, load_rows=dplan.max_later_load, resident=self.resident,
                 copied_dst=copied, device=self.device.type, direct=direct)
 
-        def plan(n: int, chunk_ptr: np.ndarray, sizes, neighbours) -> tuple:
+        def plan_count(n: int, chunk_ptr: np.ndarray, sizes, neighbours) -> tuple:
             """``(neighbour sets, batch order, transfer plan)`` of ``n`` chunks per part."""
             if neighbours is None:  # (their sizes are the sources the count was chosen by)
                 neighbours = neighbour_sets(g.indptr, g.indices, chunk_ptr,
@@ -259,7 +259,7 @@ class Trainer:
                 t_dd=tp["device_to_device"], t_ru=tp["reuse"], cache_rows=cache_rows,
                 neighbours=neighbours)
 
-        neighbours, self.order, self.transfer_plan = plan(
+        neighbours, self.order, self.transfer_plan = plan_count(
             chunks, self.partition.chunk_ptr, sizes, neighbours)
         # Out of core with kept rows, auto plans one count more where the fewest
         # that fit load rows again within a pass, and takes it where it loads
@@ -280,7 +280,7 @@ class Trainer:
                 if self.comm:
                     fits = bool(self.comm.min_int(int(fits)))
                 if fits:
-                    other = plan(more, more_part.chunk_ptr, more_sizes, chunkings.sets(more))
+                    other = plan_count(more, more_part.chunk_ptr, more_sizes, chunkings.sets(more))
                     more_loaded = plan_loads(other[2].plans, g.num_nodes)[0]
                     self.more_chunks = (chunks, loaded / distinct, more, more_loaded / distinct)
                     take = (takes_more_chunks(loaded, more_loaded)

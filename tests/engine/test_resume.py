@@ -82,7 +82,14 @@ def test_sigint_during_an_epoch_then_resume(tmp_path):
                "--metrics", str(out / "m.jsonl")) == 0
     ref = tmp_path / "ref"
     assert run(ref, f"train.epochs={done + 2}", "--metrics", str(ref / "m.jsonl")) == 0
-    assert losses(out / "m.jsonl") == losses(ref / "m.jsonl")
+    # (To the last bits where the processes round alike. On a loaded CPU the
+    # interrupted process's own epochs may round differently: MKL sizes its
+    # thread team by the machine's load (MKL_DYNAMIC). Seen once in a CI dry
+    # run, 1.4e-8 relative from the epoch the signal came in; a resume that
+    # lost the optimizer's state or an epoch is off by far more.)
+    got, want = losses(out / "m.jsonl"), losses(ref / "m.jsonl")
+    assert len(got) == len(want) == done + 2
+    assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(got, want)), (got, want)
 
 
 def test_non_finite_loss_stops_and_keeps_the_checkpoint(tmp_path):
