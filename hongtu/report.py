@@ -599,13 +599,13 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     planned = {n: main}
     if (e.chunks == "auto" and budget is not None and e.dedup.reuse and e.dedup.cache
             and not (resident and resident["resident"])):
-        loaded, distinct = plan_loads(main.plan.plans, graph.num_nodes)
+        loaded, distinct = plan_loads(main.plan.plans)
         more = more_chunks(n, loaded, distinct, int(np.bincount(assignment, minlength=m).min()))
         if more is not None:
             other = _plan_chunks(graph, assignment, m, more, ctx)
             if other.need_unplanned <= budget:
                 planned[more] = other
-                more_loaded = plan_loads(other.plan.plans, graph.num_nodes)[0]
+                more_loaded = plan_loads(other.plan.plans)[0]
                 chosen = more if (takes_more_chunks(loaded, more_loaded)
                                   and other.device_bytes <= budget) else n
                 notes.append(more_chunks_text(n, loaded / distinct, more,

@@ -606,16 +606,17 @@ RELOADS_FOR_MORE_CHUNKS = 0.05
 FEWER_LOADS_FOR_MORE_CHUNKS = 0.10
 
 
-def plan_loads(plans, num_nodes: int) -> tuple[int, int]:
+def plan_loads(plans) -> tuple[int, int]:
     """Rows the device plans ``plans`` (of a transfer plan) load per layer pass
     from host memory, and how many of them are distinct (per device, summed):
-    ``(loaded, distinct)``."""
+    ``(loaded, distinct)``. (A flag per row id: 0.04-0.12 s for 17M loads of
+    2^24 rows on 2 cores, in order or not, where ``np.unique`` took 11 s.)"""
     loaded = distinct = 0
     for p in plans:
         ids = np.asarray(p.load_ids)
         loaded += int(ids.shape[0])
         if ids.size:
-            seen = np.zeros(num_nodes, dtype=np.bool_)
+            seen = np.zeros(int(ids.max()) + 1, dtype=np.bool_)
             seen[ids] = True
             distinct += int(np.count_nonzero(seen))
     return loaded, distinct

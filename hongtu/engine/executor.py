@@ -45,6 +45,7 @@ from hongtu.engine.budget import (
     first_layer_stores,
     flush_piece_rows,
     kept_graph_layers,
+    plan_loads,
     row_memory,
     slot_widths,
     whole_layer_needs,
@@ -368,7 +369,7 @@ def ordered_row_layers(plan: DevicePlan, whole: list[bool], once: list[bool],
 
 def first_loaded_rows(plan: DevicePlan) -> int:
     """The distinct rows ``plan`` loads."""
-    return int(np.unique(np.asarray(plan.load_ids)).shape[0])
+    return plan_loads([plan])[1]
 
 
 def first_load_index_bytes(plan: DevicePlan, max_chunk_rows: int, slot_bytes: int = 0) -> int:
