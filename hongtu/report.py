@@ -644,7 +644,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         span = s.partition.chunk_ptr
         out["host_staging"] = max(flush_staging_elements(
             p, written_first(p, n, (lambda c: (int(span[c]), int(span[c + 1])))
-                             if not own_read and any(needs_dst[1:]) else None)[1],
+                             if not own_read and any(needs_dst[1:]) else None)[2],
             [True] * len(widths), widths, hand.whole, into, hand.held and not into,
             [d and not own_read for d in needs_dst],
             int(s.sizes.num_dst[np.unique(np.asarray(p.chunk_ids))].max(initial=0)))

@@ -599,11 +599,12 @@ def _own_positions(chunks: ChunkSet) -> dict[int, int]:
 
 
 def written_first(plan: DevicePlan, num_rows: int = 0, own_range=None,
-                  row0: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                  row0: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Each step's gradient flushes, those that may be written first
-    (:func:`_first_flushes_first`): ``(order, split, written)``, the positions
-    in ``plan.flush_ids`` in that order, where each step's written ones end,
-    and which rows (of ``num_rows`` at least, from ``row0``) a flush writes.
+    (:func:`_first_flushes_first`): ``(ids, order, split, written)``, the
+    flushed rows (``plan.flush_ids`` from ``row0``), their positions in that
+    order, where each step's written ones end, and which rows (of
+    ``num_rows`` at least) a flush writes.
     ``own_range(c)``: the rows of chunk ``c``, whose own-row gradient the chunk
     adds at its step (layers that read their destinations' rows); without it,
     no row gets one."""
@@ -619,7 +620,7 @@ def written_first(plan: DevicePlan, num_rows: int = 0, own_range=None,
     order = np.empty(ids.shape[0], dtype=np.int64)
     split = np.empty(ptr.shape[0] - 1, dtype=np.int64)
     _first_flushes_first(ids, ptr, seen, own, written, order, split)
-    return order, split, written
+    return ids, order, split, written
 
 
 def flush_staging_elements(plan: DevicePlan, split: np.ndarray, written: list[bool],
@@ -663,11 +664,7 @@ class _PlanOnDevice:
         self.load_ids, self.load_slots = dev(plan.load_ids, row0), dev(plan.load_slots)
         # A row's first flush in a pass can be written instead of added (nothing
         # was added there yet): order each step's flushes written-ones first.
-        # ``own_range(c)``: the host rows of chunk ``c``, whose own-row gradient
-        # the chunk adds at its step (layers that read their destinations'
-        # rows); without it, no row gets one.
-        ids = np.asarray(plan.flush_ids, dtype=np.int64) - row0
-        order, self.flush_split, written = written_first(plan, num_rows, own_range, row0)
+        ids, order, self.flush_split, written = written_first(plan, num_rows, own_range, row0)
         self.flush_ids = ids[order]  # for host adds
         self.flush_slots = dev(np.asarray(plan.flush_slots)[order])
         self.flush_ids_dev = dev(self.flush_ids)

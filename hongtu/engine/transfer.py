@@ -335,12 +335,11 @@ class Mover:
         timed: attribute time to transfers and compute. On a GPU each piece of
             work is bracketed by CUDA events on its stream (no synchronisation
             in the batch loop); :meth:`settle` reads them once per epoch.
-        stage_rows: the most rows one gradient flush moves (pinned staging).
         flush_elements: the most elements one gradient flush moves, which sizes
-            the pinned staging areas instead of ``stage_rows`` and ``slots``
-            (the executor's exact figure,
+            the pinned staging areas (the executor's exact figure,
             :func:`~hongtu.engine.executor.flush_staging_elements`); a larger
-            flush grows them (``staging_grown`` counts it).
+            flush grows them (``staging_grown`` counts it). ``None``: the most
+            rows of a slot at the widest row.
         load_rows: the most neighbour rows a step after the first loads (the
             device staging area that lets them travel during the previous step).
         overlap: run transfers on their own streams, one batch ahead; otherwise
@@ -350,8 +349,8 @@ class Mover:
     """
 
     def __init__(self, device: torch.device, slots: dict[str, tuple[int, int]], max_width: int,
-                 dtype: torch.dtype, timed: bool = True, stage_rows: int = 0,
-                 load_rows: int = 0, overlap: bool = True, stage: Tensor | None = None,
+                 dtype: torch.dtype, timed: bool = True, load_rows: int = 0,
+                 overlap: bool = True, stage: Tensor | None = None,
                  flush_elements: int | None = None) -> None:
         self.device = device
         self.dtype = dtype
@@ -375,7 +374,7 @@ class Mover:
             self._rows_stage = stage
         # Pinned staging areas for gradient flushes: they receive flushes by DMA
         # while a worker thread adds earlier ones into host memory.
-        stage = (max(max(r for r, _ in slots.values()), int(stage_rows), 1) * w
+        stage = (max(max(r for r, _ in slots.values()), 1) * w
                  if flush_elements is None else int(flush_elements))
         self._stages = ([pinned_tensor((stage,), dtype) for _ in range(_STAGES)]
                         if self.cuda and stage > 0 else [])  # (flush_staging_bytes)
