@@ -615,7 +615,9 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
                     chunks_how += f", then {more}: fewer rows loaded again"
     t["plan_s"] = time.perf_counter() - t0
 
-    def traffic_of(s: _Setting) -> dict:
+    def traffic_of(s: _Setting, staging: bool = False) -> dict:
+        """The epoch's traffic of a setting (``staging``: and its flush staging,
+        ``host_staging``, which only the chosen count's host memory needs)."""
         plan, first, n = s.plan, s.plan.plans[0], graph.num_nodes
         hand = plan_handoffs(n, widths, s.row_elements, first,
                              first.max_later_load if e.overlap else 0, e.devices > 1, cached,
@@ -642,7 +644,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         # (the most elements one gradient flush stages in pinned host memory, of any
         # process: its plan's flushes, those written going straight to host memory)
         span = s.partition.chunk_ptr
-        out["host_staging"] = max(flush_staging_elements(
+        out["host_staging"] = 0 if not staging else max(flush_staging_elements(
             p, written_first(p, n, (lambda c: (int(span[c]), int(span[c + 1])))
                              if not own_read and any(needs_dst[1:]) else None)[2],
             [True] * len(widths), widths, hand.whole, into, hand.held and not into,
@@ -656,12 +658,13 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         return out
 
     t0 = time.perf_counter()
-    memory = []
+    memory, traffic = [], None
     smallest = int(np.bincount(assignment, minlength=m).min())
     for k in sorted({*_alternatives(n, smallest, chunks_list), *planned}):
         s = planned[k] if k in planned else _plan_chunks(graph, assignment, m, k, ctx,
                                                           compare=False)
-        tr = traffic_of(s)
+        tr = traffic_of(s, staging=s is main)
+        traffic = tr if s is main else traffic  # (the chosen count's, listed with the rest)
         memory.append({"chunks": k, "device_bytes": s.device_bytes,
                        # (as training: the count's estimate before the plan, then with it)
                        "fits": None if budget is None
@@ -673,7 +676,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
                        "lower_bound_s": _costs(s.plan, tr, tp)["lower_bound_s"]})
     t["alternatives_s"] = time.perf_counter() - t0
     fitting = [r["chunks"] for r in memory if r["fits"]]
-    cands, traffic = main.candidates, traffic_of(main)
+    cands = main.candidates
     # (each process holds its own part's rows; the largest part decides)
     rows = graph.num_nodes if e.devices == 1 else int(np.bincount(assignment,
                                                                   minlength=m).max())
