@@ -605,7 +605,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
             other = _plan_chunks(graph, assignment, m, more, ctx)
             if other.need_unplanned <= budget:
                 planned[more] = other
-                more_loaded = plan_loads(other.plan.plans)[0]
+                more_loaded = plan_loads(other.plan.plans, distinct=False)[0]
                 chosen = more if (takes_more_chunks(loaded, more_loaded)
                                   and other.device_bytes <= budget) else n
                 notes.append(more_chunks_text(n, loaded / distinct, more,
