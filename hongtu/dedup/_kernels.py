@@ -80,14 +80,21 @@ KEPT_BEFORE = 1
 KEPT_AFTER = 2
 
 
+#: :func:`kept_flags` cuts each step into this many pieces, so that a few
+#: steps (24 on R-MAT 2^24) still make several tasks per thread
+FLAG_PIECES = 8
+
+
 @parallel_kernel
 def kept_flags(vals, start, stop, first, last, flags):
     """``flags`` (aligned with ``vals``) of the reads of kept rows, step ``s`` =
     ``vals[start[s]:stop[s]]``: :data:`KEPT_BEFORE` when the row's ``first``
     read is before ``s``, :data:`KEPT_AFTER` when its ``last`` is after
     (``first``/``last`` per id, ``-1`` for rows not kept)."""
-    for s in numba.prange(start.shape[0]):
-        for t in range(start[s], stop[s]):
+    for it in numba.prange(start.shape[0] * FLAG_PIECES):
+        s, k = it // FLAG_PIECES, it % FLAG_PIECES
+        n = stop[s] - start[s]
+        for t in range(start[s] + n * k // FLAG_PIECES, start[s] + n * (k + 1) // FLAG_PIECES):
             u = vals[t]
             f = 0
             if first[u] >= 0:
