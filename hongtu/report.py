@@ -102,7 +102,8 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
              index: tuple[int, int] = (0, 0), held: int = 0,
              early: list[bool] | None = None, first: tuple[int, int] = (0, 0),
              own: list[bool] | None = None, own_forward: list[bool] | None = None,
-             into_first: bool = False, blocks: list[tuple[int, int]] | None = None) -> dict:
+             into_first: bool = False, blocks: list[tuple[int, int]] | None = None,
+             narrow: bool = False) -> dict:
     """Bytes of one training step (forward, loss, backward) as the executor moves them.
 
     ``cached[l]``: layer ``l``'s backward reads no rows, ``stored[l]``: its
@@ -133,7 +134,10 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
     ``∇h^1`` goes to host memory and no first-layer pass reads it back with
     ``a^0``; the flushed rows' ``a^0`` is gathered instead. ``blocks[l]``: the
     bytes of the chunks' blocks layer ``l``'s forward and backward passes copy
-    (:func:`_block_bytes`; none where they stay on the device).
+    (:func:`_block_bytes`; none where they stay on the device). ``narrow``:
+    training writes layer 1's rows in first-load order as the first layer's
+    aggregates (:func:`~hongtu.engine.executor.first_aggregates_ordered`), as
+    wide as ``h^0``.
     """
     n = num_nodes
     ordered = list(ordered or []) + [False] * (len(widths) - len(ordered or []))
@@ -151,9 +155,13 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
         loads = n * row if all_rows else h2d_rows * row
         # (h^m left on the device in training, not in evaluation)
         m = hand.rows_layer
-        # h^{l+1} (∇h^L) stored
+        # h^{l+1} (∇h^L) stored; in training the first layer's aggregates for layer 1
         made = 0 if rows_kept and l == m - 1 else (
-            loaded - first[1] * early[l + 1] if ordered[l + 1] else n) * out
+            loaded - first[1] * early[l + 1] if ordered[l + 1] else n) * (
+            row if l == 0 and narrow else out)
+        # (layer 1's loads in training: as wide as h^0 where they are aggregates)
+        frow = widths[0] * itemsize if l == 1 and narrow else row
+        fwd_loads = h2d_rows * frow if l == 1 and narrow else loads
         layers.append({
             "layer": l, "width": widths[l], "row_bytes": row, "cached": cached[l],
             "whole": all_rows,
@@ -161,7 +169,7 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
             # or ∇h^1 into the first layer's backward)
             "passes": 1 + (not cached[l]) + (l > 0 and not kept[l]
                                              and not (l == 1 and into_first)),
-            "forward_bytes": 0 if rows_kept and l == m else loads - first[0] * row * early[l],
+            "forward_bytes": 0 if rows_kept and l == m else fwd_loads - first[0] * frow * early[l],
             "backward_reload_bytes": 0 if cached[l] else loads,
             "flush_bytes": 0 if l == 0 or kept[l] or (l == 1 and into_first) else (
                 n if all_rows else d2h_rows - (held if l == 1 else 0)) * row,
@@ -515,6 +523,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     )
     from hongtu.engine.executor import (
         early_layers,
+        first_aggregates_ordered,
         first_backward_in_flushes,
         first_in_place,
         first_load_traffic,
@@ -631,6 +640,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         into = gpu and first_backward_in_flushes(model, cached, hand.whole, hand.kept, own_read)
         held = sum(map(held_rows, plan.plans)) if hand.held and not into else 0
         early = early_layers(ordered, hand.whole, hand.kept_layer)
+        narrow = gpu and first_aggregates_ordered(model, stored, ordered, early)
         first = tuple(map(sum, zip(*map(first_step_rows, plan.plans)))) if any(early) \
             else (0, 0)
         fwd = own_rows_forward(model, hand.whole, own_read)
@@ -638,7 +648,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         blocks = _block_bytes(model, s, cached, n, itemsize, into) if gpu else None
         out = _traffic(widths, cached, stored, needs_dst, itemsize, n, plan.h2d_rows,
                        plan.d2h_rows, hand, ordered, sum(counts), index, held, early, first,
-                       own, fwd, into, blocks)
+                       own, fwd, into, blocks, narrow)
         # (host copies in load order, one process's: the inputs' loads, the rows' first loads)
         loads = max(int(p.load_ids.shape[0]) for p in plan.plans)
         # (the most elements one gradient flush stages in pinned host memory, of any
@@ -654,7 +664,9 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         out["host_ordered"] = (
             loads * widths[0] * itemsize
             if gpu and e.ordered_inputs and e.overlap and not hand.whole[0] else 0,
-            max(counts, default=0) * itemsize * sum(w for w, o in zip(widths, ordered) if o))
+            max(counts, default=0) * itemsize * sum(
+                widths[0] if m == 1 and narrow else w
+                for m, (w, o) in enumerate(zip(widths, ordered)) if o))
         return out
 
     t0 = time.perf_counter()

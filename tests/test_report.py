@@ -165,6 +165,10 @@ def test_alpha_skips_part_counts_above_half_the_vertices(tmp_path):
     pytest.param(["engine.accelerator=cuda", "engine.resident=false",
                   "engine.whole_layers=false", "engine.ordered_inputs=false", "model.layers=3"],
                  marks=pytest.mark.gpu),
+    # (layer 1's rows in load order as the first layer's aggregates: 100 < 128 wide)
+    pytest.param(["engine.accelerator=cuda", "engine.resident=false",
+                  "engine.whole_layers=false", "engine.ordered_inputs=false", "model.layers=3",
+                  "model.hidden=128"], marks=pytest.mark.gpu),
     # (a budget the blocks do not fit beside the plan: each pass copies them)
     pytest.param(["engine.accelerator=cuda", "engine.resident=false",
                   "engine.whole_layers=false", "engine.ordered_inputs=false",
@@ -179,7 +183,8 @@ def test_alpha_skips_part_counts_above_half_the_vertices(tmp_path):
 ], ids=["gcn-cached", "sage-no-reuse", "gat-recomputed", "gat-no-p2p", "gcn-whole", "gcn3-whole",
         "gcn-plan-rows", "sage3-plan-rows", "gcn3-last-rows", "gcn3-last-rows-plan",
         "sage-whole", "sage-no-p2p", "gin-recomputed",
-        "gpu-ordered-rows", "gpu3-ordered-rows", "gpu-blocks-copied", "gpu3-blocks-copied",
+        "gpu-ordered-rows", "gpu3-ordered-rows", "gpu3-ordered-aggregates", "gpu-blocks-copied",
+        "gpu3-blocks-copied",
         "gpu-sage3-no-self-loops"])
 def test_predicted_bytes_equal_what_the_engine_moves(tmp_path, extra):
 
@@ -230,6 +235,8 @@ def test_predicted_bytes_equal_what_the_engine_moves(tmp_path, extra):
     if not budget:
         assert bool(trainer.executor.ordered_rows) == (
             "engine.accelerator=cuda" in extra and "model.layer=sage" not in extra)
+    # (layer 1's as the first layer's aggregates where narrower: 100 features, 128 wide)
+    assert trainer.executor._narrow == ("model.hidden=128" in extra)
     # (chunk blocks copied pass by pass where they do not stay on the device)
     assert (epoch["block_h2d_bytes"] > 0) == (not trainer.blocks_fit)
     assert trainer.blocks_fit == (not budget)
@@ -272,6 +279,25 @@ def test_rows_written_in_load_order_are_the_loaded_rows():
     p, o = plain["epoch"], ordered["epoch"]
     assert (o["h2d_bytes"], o["evaluation_bytes"]) == (p["h2d_bytes"], p["evaluation_bytes"])
     assert p["d2h_bytes"] - o["d2h_bytes"] == 2 * 10 * 16 * 4  # h^1 and h^2, 10 rows each
+
+
+def test_layer_1_rows_as_first_aggregates_move_narrower():
+    """The report's model of layer 1's rows written in load order as the first
+    layer's aggregates (GPUs; the engine's bytes: test_oracle's
+    test_layer_1_rows_made_from_the_first_layers_aggregates): the rows the
+    first layer's pass stores and layer 1's steps after the first load are as
+    wide as h^0; evaluation is unchanged."""
+    from hongtu.engine.executor import Handoffs
+    from hongtu.report import _traffic
+
+    hand = Handoffs([False, False, False], [False] * 4, None)
+    widths, loads, first = [8, 16, 16, 3], 300, (20, 5)
+    args = (widths, [True] * 3, [True] * 3, [False] * 3, 4, 100, loads, 200, hand,
+            [False, True, True], 90, (0, 0), 0, [False, True, True], first)
+    rows, narrow = _traffic(*args)["epoch"], _traffic(*args, narrow=True)["epoch"]
+    assert rows["h2d_bytes"] - narrow["h2d_bytes"] == (loads - first[0]) * (16 - 8) * 4
+    assert rows["d2h_bytes"] - narrow["d2h_bytes"] == (90 - first[1]) * (16 - 8) * 4
+    assert rows["evaluation_bytes"] == narrow["evaluation_bytes"]
 
 
 def test_first_backward_on_flushes_moves_no_grad_h1():

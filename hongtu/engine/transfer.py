@@ -154,6 +154,11 @@ def engine_kernels(kind: str):
         return None
 
 
+def _columns(buf: Tensor, width: int) -> Tensor:
+    """``buf``'s first ``width`` columns (``buf`` itself at its width)."""
+    return buf if int(buf.shape[1]) == width else buf[:, :width]
+
+
 def copy_rows(src: Tensor, dst: Tensor, src_ids: Tensor | None = None,
               dst_ids: Tensor | None = None, grid: tuple[int, int] | str | None = "auto"
               ) -> None:
@@ -619,6 +624,8 @@ class Mover:
         ``buf`` itself. Without overlap on a GPU there is no staging area:
         ``direct`` only. ``ids`` and ``slots`` are int64 tensors on the device
         (``ring``: the :class:`IndexRing` slot holding them, freed by :meth:`place`).
+        Rows narrower than ``buf``'s land in its first columns (the caller
+        makes the rest: ``Executor``, the first layer's aggregates).
         """
         k, width = stop - start, int(host.shape[1])
         rows = k + (0 if ids is None else int(ids.shape[0]))
@@ -630,13 +637,13 @@ class Mover:
             if ids is not None:
                 src = torch.cat([src, host.index_select(0, ids)])
             if slots is None:
-                buf[at:at + rows].copy_(src)
+                _columns(buf, width)[at:at + rows].copy_(src)
             else:
-                buf.index_copy_(0, slots, src)
+                _columns(buf, width).index_copy_(0, slots, src)
             return Ticket(None)
         if direct and ids is None:
             with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
-                buf[at:at + rows].copy_(src, non_blocking=True)
+                _columns(buf, width)[at:at + rows].copy_(src, non_blocking=True)
             return Ticket(None, self._ready_event(self.s_in))
         if not self.overlap:
             raise ValueError("fetch_run without overlap lands a run directly only "
@@ -673,7 +680,7 @@ class Mover:
         if t.buf is None:
             return False
         if put is None:
-            t.buf.index_copy_(0, t.slots, t.value)
+            _columns(t.buf, int(t.value.shape[1])).index_copy_(0, t.slots, t.value)
         else:
             put(t.value, t.buf, t.slots)
         if t.ring is not None:

@@ -163,18 +163,21 @@ class GNN(nn.Module):
         """Layer ``l``'s dropout of rows it reads (none when they are kept dropped)."""
         return x if self.keeps_dropped(l) else self._drop(x, ids, seed)
 
-    def _emit(self, l: int, out: Tensor, block: Block, next_seed: int | None) -> Tensor:
+    def _emit(self, l: int, out: Tensor, block: Block | None, next_seed: int | None,
+              ids: Tensor | None = None) -> Tensor:
         """Layer ``l``'s output rows as the engine keeps them, from its update
         ``out``: ``h^{l+1}[V] = σ(out)`` (``out`` on the last layer),
         ``drop(σ(out))`` when layer ``l+1`` keeps its rows dropped, or
         ``z^{l+1}[V] = W_{l+1} drop(σ(out))`` when it transforms first (ReLU and
-        dropout then one kernel each way on a GPU)."""
+        dropout then one kernel each way on a GPU). The rows are the block's
+        destinations, or the global ``ids`` given."""
         if not self.reads_as_kept(l + 1):
             return out if l == self.num_layers - 1 else self._act(out)
         if next_seed is None:
             raise ValueError(f"layer {l + 1} reads its rows dropped out by layer {l}: "
                              "pass next_seed (its dropout seed)")
-        ids = block.dst_ids(out.device)  # the block may wait in host memory
+        if ids is None:
+            ids = block.dst_ids(out.device)  # the block may wait in host memory
         if self.activation == "relu":
             h = ops.relu_dropout(out, ids, self.p, next_seed, self.training)
         else:
@@ -224,6 +227,18 @@ class GNN(nn.Module):
                 self._drop_input(l, x_dst, block.dst_ids(x_dst.device), seed)
             out = layer.update(a, xd)
         return self._emit(l, out, block, next_seed)
+
+    def emit_rows(self, l: int, a: Tensor, ids: Tensor, next_seed: int | None) -> Tensor:
+        """Layer ``l``'s output rows as the engine keeps them (:meth:`step_update`)
+        from their aggregate ``a`` alone, for the rows of global ``ids``: a
+        layer whose update reads no own rows (``needs_dst`` false) and that
+        does not transform first. The engine's layer 1 may load the first
+        layer's aggregates, narrower than ``h^1``, and make its rows so
+        (``Executor``, rows written in first-load order)."""
+        layer = self.layers[l]
+        if layer.needs_dst or self.transforms_first(l):
+            raise ValueError(f"layer {l}'s rows need more than its aggregate")
+        return self._emit(l, layer.update(a, None), None, next_seed, ids=ids)
 
     def update_backward(self, l: int, block: Block, a: Tensor, grad: Tensor,
                         next_seed: int | None = None, need_input: bool = False,

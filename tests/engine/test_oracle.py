@@ -711,6 +711,50 @@ def test_later_layers_load_rows_written_in_load_order(layer, depth, parts, chunk
         torch.testing.assert_close(ex.buf.h[m], plain.buf.h[m], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("parts,chunks", [(1, 5), (2, 3), (1, 8)])
+def test_layer_1_rows_made_from_the_first_layers_aggregates(parts, chunks, device,
+                                                            monkeypatch):
+    """Where the first layer's aggregates are narrower than layer 1's rows
+    (6 features, 16 wide), a training forward pass writes ``a^0`` in first-load
+    order for layer 1 instead of ``drop(h^1)``, and layer 1's steps after the
+    first make each row they load from it on the device (on GPUs; forced
+    here). The step is the plain one (the same loss, the gradients of the
+    in-memory reference), the copy holds the aggregates the plain run stores,
+    and the bytes fall by the narrower rows stored and loaded, the rows
+    themselves unchanged; evaluation is unchanged."""
+    graph = CASES["halo_heavy"](seed=9)
+    init, narrow = Executor.__init__, [False]
+    monkeypatch.setattr(Executor, "__init__",
+                        lambda self, *a, **kw: init(self, *a, narrow_rows=narrow[0], **kw))
+    before, _, plain = chunked_step(three_layers("gcn", True), graph, parts, chunks, "auto",
+                                    device=device, ordered_rows=True)
+    narrow[0] = None if device == "cuda" else True  # (on by default on GPUs only)
+    model = three_layers("gcn", True)
+    res, g, ex = chunked_step(model, graph, parts, chunks, "auto", device=device,
+                              ordered_rows=True)
+    assert ex._narrow and not plain._narrow
+    assert ex._ordered_rows[1].shape == (plain._ordered_rows[1].shape[0], NUM_FEATURES)
+    assert_matches(model, res.loss, *reference_step(model, g))
+    assert res.loss == pytest.approx(before.loss, rel=1e-6)
+    plan = ex.plan.plan
+    ids = np.asarray(plan.load_ids, dtype=np.int64)
+    firsts = torch.from_numpy(ids[np.sort(np.unique(ids, return_index=True)[1])])
+    p1 = int(plan.load_ptr[1])
+    written = torch.ones(firsts.shape[0], dtype=torch.bool)
+    written[:p1] = torch.from_numpy(np.isin(ids[:p1], ids[p1:]))
+    assert torch.equal(ex._ordered_rows[1][written], plain.buf.agg[0][firsts][written])
+    t, p = ex.mover.traffic, plain.mover.traffic
+    narrower = (16 - NUM_FEATURES) * 4
+    assert (t.h2d_rows, t.d2h_rows) == (p.h2d_rows, p.d2h_rows)
+    assert p.h2d_bytes - t.h2d_bytes == (ids.shape[0] - p1) * narrower
+    assert p.d2h_bytes - t.d2h_bytes == int(written.sum()) * narrower
+    if (parts, chunks) != (2, 3):
+        assert ids.shape[0] > p1 and written.any()  # (rows made from aggregates)
+    got, want = ex.evaluate(3), plain.evaluate(3)
+    assert (got.correct, got.total) == (want.correct, want.total)
+
+
 def test_rows_in_load_order_take_room_only_where_forward_leaves_none():
     """Their index arrays (two of a chunk's and of a step's, int64) cost no device
     memory where they fit the gradient slots forward passes leave unused; else
