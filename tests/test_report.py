@@ -165,10 +165,11 @@ def test_alpha_skips_part_counts_above_half_the_vertices(tmp_path):
     pytest.param(["engine.accelerator=cuda", "engine.resident=false",
                   "engine.whole_layers=false", "engine.ordered_inputs=false", "model.layers=3"],
                  marks=pytest.mark.gpu),
-    # (layer 1's rows in load order as the first layer's aggregates: 100 < 128 wide)
+    # (layer 1's rows in load order as the first layer's aggregates: 128 features,
+    # 512-byte rows, under 256; sbm-small's 100 features make 400-byte rows: not)
     pytest.param(["engine.accelerator=cuda", "engine.resident=false",
                   "engine.whole_layers=false", "engine.ordered_inputs=false", "model.layers=3",
-                  "model.hidden=128"], marks=pytest.mark.gpu),
+                  "model.hidden=256", "data.path=builtin:rmat-16"], marks=pytest.mark.gpu),
     # (a budget the blocks do not fit beside the plan: each pass copies them)
     pytest.param(["engine.accelerator=cuda", "engine.resident=false",
                   "engine.whole_layers=false", "engine.ordered_inputs=false",
@@ -235,8 +236,8 @@ def test_predicted_bytes_equal_what_the_engine_moves(tmp_path, extra):
     if not budget:
         assert bool(trainer.executor.ordered_rows) == (
             "engine.accelerator=cuda" in extra and "model.layer=sage" not in extra)
-    # (layer 1's as the first layer's aggregates where narrower: 100 features, 128 wide)
-    assert trainer.executor._narrow == ("model.hidden=128" in extra)
+    # (layer 1's as the first layer's aggregates where narrower, of 128-byte rows)
+    assert trainer.executor._narrow == ("data.path=builtin:rmat-16" in extra)
     # (chunk blocks copied pass by pass where they do not stay on the device)
     assert (epoch["block_h2d_bytes"] > 0) == (not trainer.blocks_fit)
     assert trainer.blocks_fit == (not budget)

@@ -504,8 +504,17 @@ def early_layers(ordered: list[bool], whole: list[bool], rows_layer: int | None)
             for m in range(len(ordered))]
 
 
+#: :func:`first_aggregates_ordered` on a GPU: aggregate rows a multiple of this
+#: many bytes (every row on a 128-byte boundary for the zero-copy stores and
+#: gathers). R-MAT 2^22 GCN 3×256's 512-byte rows: 0.351 against 0.395 s per
+#: epoch, steady; products-like's 400-byte rows: epochs of 0.225 s in some runs
+#: and 0.29-0.30 s in others, against 0.252 s steady without
+#: (``bench/HISTORY.md``).
+AGGREGATE_ROW_ALIGN = 128
+
+
 def first_aggregates_ordered(model: GNN, stored: list[bool], ordered: list[bool],
-                             early: list[bool]) -> bool:
+                             early: list[bool], itemsize: int | None = None) -> bool:
     """Whether a training forward pass may write layer 1's rows in first-load
     order as the first layer's aggregates ``a^0`` where they are narrower than
     the rows layer 1 reads (``h^1``, or ``drop(h^1)`` kept dropped), layer 1's
@@ -514,10 +523,13 @@ def first_aggregates_ordered(model: GNN, stored: list[bool], ordered: list[bool]
     rows written in first-load order (``ordered[1]``) whose first step's rows
     stay on the device (``early[1]``, as they are), and the first layer
     stores its aggregate and updates it alone (no own rows). Fewer bytes
-    both ways: GCN 3×256 on products-like stores 400-byte rows instead of
-    1 KiB ones in the first layer's pass and loads them in the second's."""
+    both ways: GCN 3×256 on R-MAT 2^22 stores 512-byte rows instead of 1 KiB
+    ones in the first layer's pass and loads them in the second's. With
+    ``itemsize`` (a GPU's default), only rows of a multiple of
+    :data:`AGGREGATE_ROW_ALIGN` bytes."""
     widths = model.row_widths()
-    return (len(ordered) > 1 and ordered[1] and early[1] and stored[0]
+    aligned = itemsize is None or widths[0] * itemsize % AGGREGATE_ROW_ALIGN == 0
+    return (len(ordered) > 1 and ordered[1] and early[1] and stored[0] and aligned
             and not model.layers[0].needs_dst and widths[0] < widths[1])
 
 
@@ -929,11 +941,13 @@ class Executor:
         self._first_loads = _first_loads(plan, chunks, device.type == "cuda") \
             if any(may) else None
         loaded = self._first_loads.count if self._first_loads is not None else 0
-        # Layer 1's as the first layer's aggregates where narrower (a GPU; a CPU
-        # reads host memory in place: narrow_rows=True forces it, for tests).
+        # Layer 1's as the first layer's aggregates where narrower (by default on
+        # a GPU, rows of 128-byte multiples; a CPU reads host memory in place:
+        # narrow_rows=True forces it, whatever the rows' width, for tests).
         narrow = (device.type == "cuda" if narrow_rows is None else narrow_rows) \
             and first_aggregates_ordered(model, self.stored, may,
-                                         early_layers(may, self._whole, hand.kept_layer))
+                                         early_layers(may, self._whole, hand.kept_layer),
+                                         itemsize if narrow_rows is None else None)
         for m in range(1, model.num_layers):
             width = widths[0] if m == 1 and narrow else widths[m]
             nbytes = loaded * width * itemsize

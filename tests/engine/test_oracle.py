@@ -718,18 +718,19 @@ def test_layer_1_rows_made_from_the_first_layers_aggregates(parts, chunks, devic
     """Where the first layer's aggregates are narrower than layer 1's rows
     (6 features, 16 wide), a training forward pass writes ``a^0`` in first-load
     order for layer 1 instead of ``drop(h^1)``, and layer 1's steps after the
-    first make each row they load from it on the device (on GPUs; forced
-    here). The step is the plain one (the same loss, the gradients of the
-    in-memory reference), the copy holds the aggregates the plain run stores,
-    and the bytes fall by the narrower rows stored and loaded, the rows
-    themselves unchanged; evaluation is unchanged."""
+    first make each row they load from it on the device (by default on GPUs,
+    for rows of 128-byte multiples; forced here). The step is the plain one
+    (the same loss, the gradients of the in-memory reference), the copy holds
+    the aggregates the plain run stores, and the bytes fall by the narrower
+    rows stored and loaded, the rows themselves unchanged; evaluation is
+    unchanged."""
     graph = CASES["halo_heavy"](seed=9)
     init, narrow = Executor.__init__, [False]
     monkeypatch.setattr(Executor, "__init__",
                         lambda self, *a, **kw: init(self, *a, narrow_rows=narrow[0], **kw))
     before, _, plain = chunked_step(three_layers("gcn", True), graph, parts, chunks, "auto",
                                     device=device, ordered_rows=True)
-    narrow[0] = None if device == "cuda" else True  # (on by default on GPUs only)
+    narrow[0] = True
     model = three_layers("gcn", True)
     res, g, ex = chunked_step(model, graph, parts, chunks, "auto", device=device,
                               ordered_rows=True)
@@ -753,6 +754,26 @@ def test_layer_1_rows_made_from_the_first_layers_aggregates(parts, chunks, devic
         assert ids.shape[0] > p1 and written.any()  # (rows made from aggregates)
     got, want = ex.evaluate(3), plain.evaluate(3)
     assert (got.correct, got.total) == (want.correct, want.total)
+
+
+def test_aggregates_as_layer_1_rows_by_default_only_on_128_byte_rows():
+    """On a GPU layer 1's rows are the first layer's aggregates by default only
+    where those rows are a multiple of 128 bytes (R-MAT's 128 features, not
+    products-like's 100), and narrower than layer 1's."""
+    def gcn3(features: int, hidden: int) -> GNN:
+        cls = resolve_layer("gcn")
+        return GNN([cls(features, hidden), cls(hidden, hidden), cls(hidden, NUM_CLASSES)],
+                   dropout=0.5, transform_first=True, keep_dropped=True)
+
+    on, rule = [False, True, True, False], executor.first_aggregates_ordered
+    stored = [True, True, False]
+    assert rule(gcn3(128, 256), stored, on, on, 4)
+    assert not rule(gcn3(100, 256), stored, on, on, 4) and rule(gcn3(100, 256), stored, on, on)
+    assert rule(gcn3(32, 64), stored, on, on, 4) and not rule(gcn3(48, 64), stored, on, on, 4)
+    assert rule(gcn3(48, 64), stored, on, on, 8)  # (float64: 384 bytes)
+    assert not rule(gcn3(256, 256), stored, on, on, 4)  # (not narrower)
+    assert not rule(gcn3(128, 256), [False, True, False], on, on, 4)  # (a^0 not stored)
+    assert not rule(gcn3(128, 256), stored, on, [False] * 4, 4)  # (first-step rows loaded)
 
 
 def test_rows_in_load_order_take_room_only_where_forward_leaves_none():
