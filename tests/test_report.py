@@ -237,7 +237,7 @@ def test_predicted_bytes_equal_what_the_engine_moves(tmp_path, extra):
         assert bool(trainer.executor.ordered_rows) == (
             "engine.accelerator=cuda" in extra and "model.layer=sage" not in extra)
     # (layer 1's as the first layer's aggregates where narrower, of 128-byte rows)
-    assert trainer.executor._narrow == ("data.path=builtin:rmat-16" in extra)
+    assert trainer.executor.rows_from_aggregates == ("data.path=builtin:rmat-16" in extra)
     # (chunk blocks copied pass by pass where they do not stay on the device)
     assert (epoch["block_h2d_bytes"] > 0) == (not trainer.blocks_fit)
     assert trainer.blocks_fit == (not budget)

@@ -1115,6 +1115,12 @@ class Executor:
         return self._early_at[m]
 
     @property
+    def rows_from_aggregates(self) -> bool:
+        """Whether layer 1's rows in load order are the first layer's aggregates,
+        made into its rows as they load (:func:`first_aggregates_ordered`)."""
+        return self._narrow
+
+    @property
     def ordered_rows(self) -> list[int]:
         """Layers whose rows a training forward pass writes in load order."""
         return [m for m, t in enumerate(self._ordered_rows) if t is not None]

@@ -399,8 +399,11 @@ class Trainer:
             rows.append(f"first layer's inputs kept in load order (engine.ordered_inputs): "
                         f"{format_size(ex.ordered_input_bytes)} of pinned host memory")
         if ex.ordered_rows:
+            names = [f"h^{m}" + (" (as the first layer's aggregates a^0)"
+                                 if m == 1 and ex.rows_from_aggregates else "")
+                     for m in ex.ordered_rows]
             rows.append("rows written in load order by the training forward pass "
-                        "(engine.ordered_rows): h^" + ", h^".join(map(str, ex.ordered_rows))
+                        "(engine.ordered_rows): " + ", ".join(names)
                         + f", {format_size(ex.ordered_row_bytes)} of pinned host memory")
         if rows:
             self.out("\n".join(rows))

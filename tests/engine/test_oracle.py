@@ -734,7 +734,7 @@ def test_layer_1_rows_made_from_the_first_layers_aggregates(parts, chunks, devic
     model = three_layers("gcn", True)
     res, g, ex = chunked_step(model, graph, parts, chunks, "auto", device=device,
                               ordered_rows=True)
-    assert ex._narrow and not plain._narrow
+    assert ex.rows_from_aggregates and not plain.rows_from_aggregates
     assert ex._ordered_rows[1].shape == (plain._ordered_rows[1].shape[0], NUM_FEATURES)
     assert_matches(model, res.loss, *reference_step(model, g))
     assert res.loss == pytest.approx(before.loss, rel=1e-6)
