@@ -606,15 +606,16 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     # (as training: out of core with kept rows, auto plans one count more where
     # the fewest that fit load rows again, and takes it where it loads fewer)
     planned = {n: main}
+    smallest = int(np.bincount(assignment, minlength=m).min())  # (a part's vertices)
     if (e.chunks == "auto" and budget is not None and e.dedup.reuse and e.dedup.cache
             and not (resident and resident["resident"])):
         loaded, distinct = plan_loads(main.plan.plans)
-        more = more_chunks(n, loaded, distinct, int(np.bincount(assignment, minlength=m).min()))
+        more = more_chunks(n, loaded, distinct, smallest)
         if more is not None:
             other = _plan_chunks(graph, assignment, m, more, ctx)
             if other.need_unplanned <= budget:
                 planned[more] = other
-                more_loaded = plan_loads(other.plan.plans, distinct=False)[0]
+                more_loaded = other.plan.h2d_rows
                 chosen = more if (takes_more_chunks(loaded, more_loaded)
                                   and other.device_bytes <= budget) else n
                 notes.append(more_chunks_text(n, loaded / distinct, more,
@@ -671,7 +672,6 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
 
     t0 = time.perf_counter()
     memory, traffic = [], None
-    smallest = int(np.bincount(assignment, minlength=m).min())
     for k in sorted({*_alternatives(n, smallest, chunks_list), *planned}):
         s = planned[k] if k in planned else _plan_chunks(graph, assignment, m, k, ctx,
                                                           compare=False)

@@ -281,7 +281,7 @@ class Trainer:
                     fits = bool(self.comm.min_int(int(fits)))
                 if fits:
                     other = plan_count(more, more_part.chunk_ptr, more_sizes, chunkings.sets(more))
-                    more_loaded = plan_loads(other[2].plans, distinct=False)[0]
+                    more_loaded = other[2].h2d_rows
                     self.more_chunks = (chunks, loaded / distinct, more, more_loaded / distinct)
                     take = (takes_more_chunks(loaded, more_loaded)
                             and estimate(other[2].plans[rank], more_sizes) <= self.room)

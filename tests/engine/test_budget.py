@@ -386,7 +386,6 @@ def test_plan_loads_counts_distinct_rows_per_device():
     plans = [P(load_ids=np.array([3, 1, 3, 3, 7], dtype=np.int32)),
              P(load_ids=np.array([1, 1], dtype=np.int32)), P(load_ids=np.zeros(0, np.int32))]
     assert plan_loads(plans) == (7, 4)  # (3, 1, 7 on the first device; 1 on the second)
-    assert plan_loads(plans, distinct=False) == (7, 0)
     assert plan_loads([]) == (0, 0)
     # Past the serial kernels' threshold: the parallel bitmaps count what np.unique does.
     rng = np.random.default_rng(0)
