@@ -18,6 +18,14 @@ These are the figures behind ``hongtu.engine.transfer.ROW_LOADS`` /
     python bench/bench_rows.py
 
 Prints a table and writes ``bench/results/rows_<device>.json``.
+
+``--layouts`` measures instead the copy's rate alone by the rows' layout in
+pinned host memory (allocated as the engine allocates it,
+:func:`~hongtu.engine.pinned.pinned_tensor`): rows of 100 float32 packed
+(400-byte rows, one in eight on a 128-byte boundary) or padded to 128 (every
+row on one), 128 and 256 wide, 47 packed or padded to 64; 100K of 2.45M rows,
+their ids sorted or in random order, gathered from and scattered into host
+memory on each grid. It writes ``bench/results/rows_layout_<device>.json``.
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ from common import RESULTS, device_name, file_tag
 from hongtu.engine.pinned import device_view
 
 GRIDS = {"load": (None, (8, 64), (16, 64)), "store": (None, (2, 64), (4, 64), (2, 128))}
+#: ``--layouts``: (row width, row stride) in float32
+LAYOUTS = ((100, 100), (100, 128), (128, 128), (256, 256), (47, 47), (47, 64))
 
 
 def _timed(fn, reps: int = 20, stream=None) -> float:
@@ -86,9 +96,14 @@ def _measure(copy, other, nbytes: int, other_bytes: int, compute: dict, alone: d
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--layouts", action="store_true",
+                    help="the copy's rate by the rows' layout in host memory instead")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_rows.py measures GPU kernels: run it on a GPU machine")
+    if args.layouts:
+        layouts(Path(args.out))
+        return
     from hongtu.engine import _triton_rows as R
 
     dev = torch.device("cuda")
@@ -147,6 +162,47 @@ def main() -> None:
     path = out / f"rows_{file_tag(name)}.json"
     path.write_text(json.dumps({"device": name, "gemm_ms": alone["gemm"],
                                 "spmm_ms": alone["spmm"], "runs": records}, indent=1))
+    print(f"wrote {path}")
+
+
+def layouts(out: Path, num_rows: int = 2_450_000, n: int = 100_000) -> None:
+    """``--layouts``: GB/s of the rows' own bytes, per layout, grid and id order."""
+    from hongtu.engine import _triton_rows as R
+    from hongtu.engine.pinned import pinned_tensor
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    records = []
+    print(f"{'width':>6}{'stride':>7}{'grid':>8}{'gather sorted':>15}{'random':>8}"
+          f"{'scatter sorted':>16}{'random':>8}   (GB/s of the rows' bytes)")
+    for width, stride in LAYOUTS:
+        host = pinned_tensor((num_rows, stride), torch.float32)
+        host.fill_(1.0)
+        view = device_view(host, dev)[:, :width]
+        buf = torch.randn(n, width, device=dev)
+        perm = torch.randperm(num_rows, generator=gen)[:n]
+        ids = {"sorted": perm.sort().values.to(dev), "random": perm.to(dev)}
+        for grid in (None, (2, 64), (8, 64), (16, 64)):
+            rec = {"width": width, "stride": stride,
+                   "grid": "half a program per SM" if grid is None else list(grid)}
+            for order, i in ids.items():
+                copies = (("gather", partial(R.copy_rows_triton, view, buf, i, None, grid)),
+                          ("scatter", partial(R.copy_rows_triton, buf, view, None, i, grid)))
+                for kind, copy in copies:
+                    copy()
+                    torch.cuda.synchronize()
+                    rec[f"{kind}_{order}_gb_per_s"] = n * width * 4 / _timed(copy) / 1e6
+            records.append(rec)
+            g = "½/SM" if grid is None else f"{grid[0]}x{grid[1]}"
+            print(f"{width:>6}{stride:>7}{g:>8}{rec['gather_sorted_gb_per_s']:>15.1f}"
+                  f"{rec['gather_random_gb_per_s']:>8.1f}{rec['scatter_sorted_gb_per_s']:>16.1f}"
+                  f"{rec['scatter_random_gb_per_s']:>8.1f}", flush=True)
+        del view, host
+    out.mkdir(parents=True, exist_ok=True)
+    name = device_name()
+    path = out / f"rows_layout_{file_tag(name)}.json"
+    path.write_text(json.dumps({"device": name, "host_rows": num_rows, "rows": n,
+                                "runs": records}, indent=1))
     print(f"wrote {path}")
 
 

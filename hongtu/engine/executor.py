@@ -505,11 +505,12 @@ def early_layers(ordered: list[bool], whole: list[bool], rows_layer: int | None)
 
 
 #: :func:`first_aggregates_ordered` on a GPU: aggregate rows a multiple of this
-#: many bytes (every row on a 128-byte boundary for the zero-copy stores and
-#: gathers). R-MAT 2^22 GCN 3×256's 512-byte rows: 0.351 against 0.395 s per
-#: epoch, steady; products-like's 400-byte rows: epochs of 0.225 s in some runs
-#: and 0.29-0.30 s in others, against 0.252 s steady without
-#: (``bench/HISTORY.md``).
+#: many bytes, where it was measured steady. R-MAT 2^22 GCN 3×256's 512-byte
+#: rows: 0.352 against 0.398 s per epoch over 48 and 24 epochs; products-like's
+#: 400-byte rows: streaks of 0.23 s and of 0.26-0.34 s, the mean the same as
+#: without (0.259 against 0.260 s). The layout does not explain it: padded
+#: to 512 bytes, 400-byte rows load about as fast in the row kernel and store
+#: at most 23% faster (``bench/HISTORY.md``).
 AGGREGATE_ROW_ALIGN = 128
 
 
