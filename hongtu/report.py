@@ -641,7 +641,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         into = gpu and first_backward_in_flushes(model, cached, hand.whole, hand.kept, own_read)
         held = sum(map(held_rows, plan.plans)) if hand.held and not into else 0
         early = early_layers(ordered, hand.whole, hand.kept_layer)
-        narrow = gpu and first_aggregates_ordered(model, stored, ordered, early, itemsize)
+        narrow = gpu and first_aggregates_ordered(model, stored, ordered, early)
         first = tuple(map(sum, zip(*map(first_step_rows, plan.plans)))) if any(early) \
             else (0, 0)
         fwd = own_rows_forward(model, hand.whole, own_read)

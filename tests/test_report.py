@@ -165,11 +165,15 @@ def test_alpha_skips_part_counts_above_half_the_vertices(tmp_path):
     pytest.param(["engine.accelerator=cuda", "engine.resident=false",
                   "engine.whole_layers=false", "engine.ordered_inputs=false", "model.layers=3"],
                  marks=pytest.mark.gpu),
-    # (layer 1's rows in load order as the first layer's aggregates: 128 features,
-    # 512-byte rows, under 256; sbm-small's 100 features make 400-byte rows: not)
+    # (layer 1's rows in load order as the first layer's aggregates, narrower than
+    # the hidden rows: 128 features (512-byte rows) under 256; sbm-small's 100
+    # (400-byte rows) under 128)
     pytest.param(["engine.accelerator=cuda", "engine.resident=false",
                   "engine.whole_layers=false", "engine.ordered_inputs=false", "model.layers=3",
                   "model.hidden=256", "data.path=builtin:rmat-16"], marks=pytest.mark.gpu),
+    pytest.param(["engine.accelerator=cuda", "engine.resident=false",
+                  "engine.whole_layers=false", "engine.ordered_inputs=false", "model.layers=3",
+                  "model.hidden=128"], marks=pytest.mark.gpu),
     # (a budget the blocks do not fit beside the plan: each pass copies them)
     pytest.param(["engine.accelerator=cuda", "engine.resident=false",
                   "engine.whole_layers=false", "engine.ordered_inputs=false",
@@ -184,7 +188,8 @@ def test_alpha_skips_part_counts_above_half_the_vertices(tmp_path):
 ], ids=["gcn-cached", "sage-no-reuse", "gat-recomputed", "gat-no-p2p", "gcn-whole", "gcn3-whole",
         "gcn-plan-rows", "sage3-plan-rows", "gcn3-last-rows", "gcn3-last-rows-plan",
         "sage-whole", "sage-no-p2p", "gin-recomputed",
-        "gpu-ordered-rows", "gpu3-ordered-rows", "gpu3-ordered-aggregates", "gpu-blocks-copied",
+        "gpu-ordered-rows", "gpu3-ordered-rows", "gpu3-ordered-aggregates",
+        "gpu3-ordered-aggregates-400", "gpu-blocks-copied",
         "gpu3-blocks-copied",
         "gpu-sage3-no-self-loops"])
 def test_predicted_bytes_equal_what_the_engine_moves(tmp_path, extra):
@@ -236,8 +241,10 @@ def test_predicted_bytes_equal_what_the_engine_moves(tmp_path, extra):
     if not budget:
         assert bool(trainer.executor.ordered_rows) == (
             "engine.accelerator=cuda" in extra and "model.layer=sage" not in extra)
-    # (layer 1's as the first layer's aggregates where narrower, of 128-byte rows)
-    assert trainer.executor.rows_from_aggregates == ("data.path=builtin:rmat-16" in extra)
+    # (layer 1's as the first layer's aggregates where narrower: 100 or 128
+    # features under a hidden width of 128 or 256, not 64)
+    assert trainer.executor.rows_from_aggregates == any(
+        x in extra for x in ("model.hidden=128", "model.hidden=256"))
     # (chunk blocks copied pass by pass where they do not stay on the device)
     assert (epoch["block_h2d_bytes"] > 0) == (not trainer.blocks_fit)
     assert trainer.blocks_fit == (not budget)

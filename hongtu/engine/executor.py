@@ -504,18 +504,8 @@ def early_layers(ordered: list[bool], whole: list[bool], rows_layer: int | None)
             for m in range(len(ordered))]
 
 
-#: :func:`first_aggregates_ordered` on a GPU: aggregate rows a multiple of this
-#: many bytes, where it was measured steady. R-MAT 2^22 GCN 3×256's 512-byte
-#: rows: 0.352 against 0.398 s per epoch over 48 and 24 epochs; products-like's
-#: 400-byte rows: streaks of 0.23 s and of 0.26-0.34 s, the mean the same as
-#: without (0.259 against 0.260 s). The layout does not explain it: padded
-#: to 512 bytes, 400-byte rows load about as fast in the row kernel and store
-#: at most 23% faster (``bench/HISTORY.md``).
-AGGREGATE_ROW_ALIGN = 128
-
-
 def first_aggregates_ordered(model: GNN, stored: list[bool], ordered: list[bool],
-                             early: list[bool], itemsize: int | None = None) -> bool:
+                             early: list[bool]) -> bool:
     """Whether a training forward pass may write layer 1's rows in first-load
     order as the first layer's aggregates ``a^0`` where they are narrower than
     the rows layer 1 reads (``h^1``, or ``drop(h^1)`` kept dropped), layer 1's
@@ -525,12 +515,13 @@ def first_aggregates_ordered(model: GNN, stored: list[bool], ordered: list[bool]
     stay on the device (``early[1]``, as they are), and the first layer
     stores its aggregate and updates it alone (no own rows). Fewer bytes
     both ways: GCN 3×256 on R-MAT 2^22 stores 512-byte rows instead of 1 KiB
-    ones in the first layer's pass and loads them in the second's. With
-    ``itemsize`` (a GPU's default), only rows of a multiple of
-    :data:`AGGREGATE_ROW_ALIGN` bytes."""
+    ones in the first layer's pass and loads them in the second's (0.352
+    against 0.398 s per epoch on an H200, steady); on products-like (400-byte
+    rows) 0.223-0.236 against 0.251-0.258 s per process on one machine, and
+    epochs switching between 0.23 and 0.26-0.34 s on another, for the same
+    mean as without (``bench/HISTORY.md``)."""
     widths = model.row_widths()
-    aligned = itemsize is None or widths[0] * itemsize % AGGREGATE_ROW_ALIGN == 0
-    return (len(ordered) > 1 and ordered[1] and early[1] and stored[0] and aligned
+    return (len(ordered) > 1 and ordered[1] and early[1] and stored[0]
             and not model.layers[0].needs_dst and widths[0] < widths[1])
 
 
@@ -834,6 +825,10 @@ class Executor:
             leave them out (the Trainer does). The Trainer asks
             for it where the graphs fit the budget beside everything else
             (:func:`~hongtu.engine.budget.kept_graph_bytes`).
+        narrow_rows: with ``ordered_rows``, layer 1's rows written as the first
+            layer's aggregates where :func:`first_aggregates_ordered` allows it
+            (``None``: on a GPU; ``True`` forces it on a CPU too, for tests;
+            ``False``: never).
     """
 
     def __init__(self, model: GNN, chunks: ChunkSet, buffers: HostBuffers, labels: Tensor,
@@ -943,12 +938,11 @@ class Executor:
             if any(may) else None
         loaded = self._first_loads.count if self._first_loads is not None else 0
         # Layer 1's as the first layer's aggregates where narrower (by default on
-        # a GPU, rows of 128-byte multiples; a CPU reads host memory in place:
-        # narrow_rows=True forces it, whatever the rows' width, for tests).
+        # a GPU; a CPU reads host memory in place: narrow_rows=True forces it there,
+        # for tests).
         narrow = (device.type == "cuda" if narrow_rows is None else narrow_rows) \
             and first_aggregates_ordered(model, self.stored, may,
-                                         early_layers(may, self._whole, hand.kept_layer),
-                                         itemsize if narrow_rows is None else None)
+                                         early_layers(may, self._whole, hand.kept_layer))
         for m in range(1, model.num_layers):
             width = widths[0] if m == 1 and narrow else widths[m]
             nbytes = loaded * width * itemsize

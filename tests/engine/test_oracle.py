@@ -718,8 +718,8 @@ def test_layer_1_rows_made_from_the_first_layers_aggregates(parts, chunks, devic
     """Where the first layer's aggregates are narrower than layer 1's rows
     (6 features, 16 wide), a training forward pass writes ``a^0`` in first-load
     order for layer 1 instead of ``drop(h^1)``, and layer 1's steps after the
-    first make each row they load from it on the device (by default on GPUs,
-    for rows of 128-byte multiples; forced here). The step is the plain one
+    first make each row they load from it on the device (by default on GPUs;
+    forced here, and off for the plain run). The step is the plain one
     (the same loss, the gradients of the in-memory reference), the copy holds
     the aggregates the plain run stores, and the bytes fall by the narrower
     rows stored and loaded, the rows themselves unchanged; evaluation is
@@ -756,10 +756,11 @@ def test_layer_1_rows_made_from_the_first_layers_aggregates(parts, chunks, devic
     assert (got.correct, got.total) == (want.correct, want.total)
 
 
-def test_aggregates_as_layer_1_rows_by_default_only_on_128_byte_rows():
-    """On a GPU layer 1's rows are the first layer's aggregates by default only
-    where those rows are a multiple of 128 bytes (R-MAT's 128 features, not
-    products-like's 100), and narrower than layer 1's."""
+def test_aggregates_as_layer_1_rows_where_narrower_whatever_their_bytes():
+    """Layer 1's rows are the first layer's aggregates where those are narrower
+    than layer 1's rows, whatever their width in bytes (R-MAT's 128 features,
+    products-like's 100), its rows written in load order with the first
+    step's early, and the aggregate stored."""
     def gcn3(features: int, hidden: int) -> GNN:
         cls = resolve_layer("gcn")
         return GNN([cls(features, hidden), cls(hidden, hidden), cls(hidden, NUM_CLASSES)],
@@ -767,13 +768,12 @@ def test_aggregates_as_layer_1_rows_by_default_only_on_128_byte_rows():
 
     on, rule = [False, True, True, False], executor.first_aggregates_ordered
     stored = [True, True, False]
-    assert rule(gcn3(128, 256), stored, on, on, 4)
-    assert not rule(gcn3(100, 256), stored, on, on, 4) and rule(gcn3(100, 256), stored, on, on)
-    assert rule(gcn3(32, 64), stored, on, on, 4) and not rule(gcn3(48, 64), stored, on, on, 4)
-    assert rule(gcn3(48, 64), stored, on, on, 8)  # (float64: 384 bytes)
-    assert not rule(gcn3(256, 256), stored, on, on, 4)  # (not narrower)
-    assert not rule(gcn3(128, 256), [False, True, False], on, on, 4)  # (a^0 not stored)
-    assert not rule(gcn3(128, 256), stored, on, [False] * 4, 4)  # (first-step rows loaded)
+    assert rule(gcn3(128, 256), stored, on, on) and rule(gcn3(100, 256), stored, on, on)
+    assert rule(gcn3(48, 64), stored, on, on)
+    assert not rule(gcn3(256, 256), stored, on, on)  # (not narrower)
+    assert not rule(gcn3(128, 256), [False, True, False], on, on)  # (a^0 not stored)
+    assert not rule(gcn3(128, 256), stored, on, [False] * 4)  # (first-step rows loaded)
+    assert not rule(gcn3(128, 256), stored, [False] * 4, on)  # (layer 1's rows gathered)
 
 
 def test_rows_in_load_order_take_room_only_where_forward_leaves_none():
