@@ -84,6 +84,15 @@ def _gather_ranges(values, indptr, order, new_indptr, relabel, out):
 
 
 @numba.njit(cache=True)
+def is_identity(perm):
+    """Whether ``perm[k] == k`` for every ``k`` (stops at the first that is not)."""
+    for k in range(perm.shape[0]):  # noqa: SIM110 (a loop numba compiles)
+        if perm[k] != k:
+            return False
+    return True
+
+
+@numba.njit(cache=True)
 def bucket_fill(src, dst, indptr, out):
     """Scatter ``src`` into CSC order by ``dst``, keeping input order per destination."""
     cursor = indptr[:-1].copy()
