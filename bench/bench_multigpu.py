@@ -71,6 +71,7 @@ def main() -> int:
     ap.add_argument("--budget", default="8GiB", help="device memory per GPU")
     ap.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--tag", default="", help="prefix of the JSON's name (TAG_multigpu_...)")
     ap.add_argument("--accelerator", default="cuda")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--deadline", type=float, default=1e9,
@@ -117,7 +118,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = "".join(c if c.isalnum() else "-" for c in name).strip("-").lower()
-    path = out / f"multigpu_{tag}-x{have}.json"
+    path = out / f"{args.tag + '_' if args.tag else ''}multigpu_{tag}-x{have}.json"
     path.write_text(json.dumps(doc, indent=2))
     print(f"wrote {path}")
     os.sync()

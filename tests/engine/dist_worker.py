@@ -1,8 +1,9 @@
 """One rank of a multi-process test run (spawned by tests/engine/test_distributed.py).
 
 Trains one step of a test case with rank ``r`` owning part ``r`` (its host
-rows only), exchanging rows over gloo, and writes loss, gradients and the
-rank's traffic to ``OUT/rank{r}.pt``.
+rows only), exchanging rows over gloo on the CPU or NCCL on GPU ``r`` (pinned
+host buffers), and writes loss, gradients and the rank's traffic to
+``OUT/job{k}-rank{r}.pt``.
 """
 
 from __future__ import annotations
@@ -20,37 +21,49 @@ from hongtu.reorg import plan_batches
 from tests.cases import CASES
 
 
-def run_rank(rank: int, world: int, port: int, out: str, jobs: list[dict]) -> None:
-    """Run every job (case, layer, chunks, checkpoint, flags) in one process group."""
+def run_rank(rank: int, world: int, port: int, out: str, jobs: list[dict],
+             accelerator: str = "cpu") -> None:
+    """Run every job (case, layer, chunks, checkpoint, flags) in one process group
+    (``accelerator``: ``"cpu"``, gloo; ``"cuda"``, NCCL with this rank on GPU ``rank``)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    comm = init_from_env(cuda=False, timeout_s=60)
+    cuda = accelerator == "cuda"
+    comm = init_from_env(cuda=cuda, timeout_s=120)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     torch.set_num_threads(1)
     for k, job in enumerate(jobs):
-        torch.save(run_job(rank, world, comm, **job), os.path.join(out, f"job{k}-rank{rank}.pt"))
+        torch.save(run_job(rank, world, comm, device=device, **job),
+                   os.path.join(out, f"job{k}-rank{rank}.pt"))
     comm.close()
 
 
 def run_job(rank, world, comm, case: str, layer: str, chunks: int, checkpoint: str,
-            flags: dict, ordered_rows: bool = False, first_in_flushes: bool = False) -> dict:
+            flags: dict, ordered_rows: bool = False, first_in_flushes: bool = False,
+            ordered: bool = False, cache_rows: int = 0,
+            device: torch.device | None = None) -> dict:
     """One step and one evaluation of a job on this rank (own rows taken from the
-    sources where the case has a self-loop on every vertex, as training has it)."""
+    sources where the case has a self-loop on every vertex, as training has it;
+    ``ordered``: the first layer loads from a copy of its inputs in load order;
+    ``cache_rows``: spare slots for rows kept across batches)."""
     from tests.engine.test_oracle import make_model
 
+    device = device or torch.device("cpu")
     graph = CASES[case](seed=1)
-    model = make_model(layer)
+    model = make_model(layer).to(device)
     p = chunk_partition(graph, np.arange(graph.num_nodes) % world, chunks, num_parts=world)
     g = p.apply(graph)
     _, plan = plan_batches(g.indptr, g.indices, p.chunk_ptr, world, chunks, devices=world,
-                           **flags)
+                           cache_rows=cache_rows, **flags)
     a, b = int(p.part_ptr[rank]), int(p.part_ptr[rank + 1])
     cs = ChunkSet.build(g, p.chunk_ptr, world, chunks, part=rank)
     cached = model.stored_aggregates(checkpoint)
-    buf = HostBuffers(BufferPlan(b - a, model.row_widths(), cached), g.x[a:b], pin=False)
+    buf = HostBuffers(BufferPlan(b - a, model.row_widths(), cached), g.x[a:b],
+                      pin=device.type == "cuda")
     masks = {k: torch.from_numpy(getattr(g, f"{k}_mask")[a:b]) for k in ("train", "val", "test")}
-    ex = Executor(model, cs, buf, torch.from_numpy(g.y[a:b]), masks, torch.device("cpu"),
+    ex = Executor(model, cs, buf, torch.from_numpy(g.y[a:b]), masks, device,
                   plan.plans[rank], checkpoint=checkpoint, seed=0, comm=comm,
-                  num_train=int(g.train_mask.sum()), ordered_rows=ordered_rows,
+                  num_train=int(g.train_mask.sum()), ordered_inputs=ordered,
+                  ordered_rows=ordered_rows,
                   first_in_flushes=first_in_flushes,
                   own_in_sources=flags.get("p2p", True) and has_self_loops(g)
                   and any(x.needs_dst for x in model.layers))
@@ -58,11 +71,13 @@ def run_job(rank, world, comm, case: str, layer: str, chunks: int, checkpoint: s
     step_traffic = ex.mover.traffic.as_dict()
     ex.mover.traffic.reset()
     ev = ex.evaluate(0)
-    return {"loss": res.loss, "grads": {n: q.grad for n, q in model.named_parameters()},
+    return {"loss": res.loss, "grads": {n: q.grad.cpu() for n, q in model.named_parameters()},
             "traffic": step_traffic, "eval_traffic": ex.mover.traffic.as_dict(),
             "correct": ev.correct, "total": ev.total,
             "loads": int(plan.plans[rank].load_ids.shape[0]),
             "sends": int(plan.plans[rank].send_ids.shape[0]),
             "own_rows": b - a, "ordered_rows": ex.ordered_rows,
             "own_from_sources": ex.own_rows_from_sources,
+            "ordered_input_bytes": ex.ordered_input_bytes,
+            "cached_rows": int(plan.cached_rows),
             "first_in_flushes": ex.first_in_flushes}

@@ -49,8 +49,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_world(tmp_path, world: int, jobs: list[dict]) -> list[list[dict]]:
-    mp.spawn(run_rank, args=(world, free_port(), str(tmp_path), jobs), nprocs=world, join=True)
+# On GPUs, over NCCL with pinned host buffers: the layers with and without
+# dedup, and the paths training takes on GPUs: the first layer's inputs in
+# load order, rows kept across batches, later rows written in load order, the
+# first layer's backward on the flushes, own rows from the sources. (Several
+# ranks never move a layer whole: rows of other parts travel by the exchange.)
+GPU_PATHS = dict(case="skewed", layer="gcn", chunks=5, checkpoint="auto", flags=ON,
+                 ordered=True, cache_rows=40, ordered_rows=True, first_in_flushes=True)
+GPU_OWN = dict(case="self_loops", layer="sage", chunks=5, checkpoint="auto", flags=ON,
+               ordered=True, cache_rows=40)
+GPU_JOBS = (LAYER_JOBS + [GPU_PATHS, GPU_OWN, dict(GPU_OWN, layer="gat")]
+            + OWN_JOBS + FOLD_JOBS)
+GPU_IDS = (LAYER_IDS + ["gcn-gpu-paths", "sage-own-rows-kept-ordered", "gat-own-rows-kept-ordered"]
+           + [f"own-rows-{j['layer']}-{j['checkpoint']}" for j in OWN_JOBS]
+           + [f"fold-{i}" for i in ("dedup", "no-reuse-no-reorg")])
+
+
+def run_world(tmp_path, world: int, jobs: list[dict],
+              accelerator: str = "cpu") -> list[list[dict]]:
+    mp.spawn(run_rank, args=(world, free_port(), str(tmp_path), jobs, accelerator),
+             nprocs=world, join=True)
     return [[torch.load(tmp_path / f"job{k}-rank{r}.pt", weights_only=True)
              for r in range(world)] for k in range(len(jobs))]
 
@@ -66,7 +84,18 @@ def four(tmp_path_factory):
     return run_world(tmp_path_factory.mktemp("w4"), 4, LAYER_JOBS)
 
 
+@pytest.fixture(scope="module", params=[2, 4], ids=["2-gpus", "4-gpus"])
+def nccl(request, tmp_path_factory):
+    """Every GPU job on 2 and on 4 ranks, one GPU each (skipped without them)."""
+    world = request.param
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, {torch.cuda.device_count()} present")
+    return world, run_world(tmp_path_factory.mktemp(f"nccl{world}"), world, GPU_JOBS, "cuda")
+
+
 def check_job(ranks: list[dict], job: dict, world: int) -> None:
+    """Each rank's loss and gradients are those of one process over all parts
+    and of the in-memory reference (how the executor moves rows aside)."""
     graph = CASES[job["case"]](seed=1)
     single = make_model(job["layer"])
     res, g, _ = chunked_step(single, graph, world, job["chunks"], job["checkpoint"],
@@ -114,7 +143,7 @@ def test_ranks_write_later_rows_in_load_order(two, k):
     job = ORDERED_JOBS[k]
     ranks = two[len(LAYER_JOBS) + len(FLAG_JOBS) + k]
     assert all(r["ordered_rows"] == [1] for r in ranks)
-    check_job(ranks, {key: v for key, v in job.items() if key != "ordered_rows"}, 2)
+    check_job(ranks, job, 2)
 
 
 @pytest.mark.parametrize("k", range(len(OWN_JOBS)))
@@ -167,4 +196,25 @@ def test_ranks_run_the_first_backward_on_their_flushes(two, k):
     job = FOLD_JOBS[k]
     ranks = two[len(LAYER_JOBS) + len(FLAG_JOBS) + len(ORDERED_JOBS) + len(OWN_JOBS) + k]
     assert all(r["first_in_flushes"] for r in ranks)
-    check_job(ranks, {key: v for key, v in job.items() if key != "first_in_flushes"}, 2)
+    check_job(ranks, job, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", range(len(GPU_JOBS)), ids=GPU_IDS)
+def test_gpu_ranks_over_nccl_match_one_process_and_the_reference(nccl, k):
+    """One rank per GPU, rows between GPUs over NCCL, host rows pinned: the
+    step matches one process and the reference, and the jobs meant to take a
+    GPU path take it."""
+    world, results = nccl
+    job, ranks = GPU_JOBS[k], results[k]
+    check_job(ranks, job, world)
+    for r in ranks:
+        if job.get("ordered"):
+            assert r["ordered_input_bytes"] > 0
+        if job.get("cache_rows"):
+            assert r["cached_rows"] > 0
+        if job.get("ordered_rows"):
+            assert r["ordered_rows"] == [1]
+        if job.get("first_in_flushes"):
+            assert r["first_in_flushes"]
+    assert sum(r["traffic"]["d2d_rows"] for r in ranks) > 0  # (rows crossed between GPUs)

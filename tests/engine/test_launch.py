@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -12,6 +13,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from tests.conftest import REPO
 
@@ -101,6 +103,31 @@ def test_two_ranks_plan_one_chunk_count_more_alike(tmp_path):
                  "engine.chunks=24", "--metrics", f"{tmp_path}/ref.jsonl")
     assert ref.returncode == 0, ref.stderr
     assert_same_losses(records(tmp_path / "m.jsonl"), records(tmp_path / "ref.jsonl"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("layer", ["gcn", "sage"])
+def test_two_gpus_match_one_process_on_one_gpu(tmp_path, layer):
+    """The command on two GPUs (NCCL, pinned host buffers), out of core under a
+    budget where auto plans several chunks, gives the losses of one process
+    training the same two parts on one GPU, and rows cross between the GPUs."""
+    args = ["engine.accelerator=cuda", f"model.layer={layer}", "model.hidden=256",
+            "model.layers=3", "engine.device_memory=72MiB", "engine.chunks=auto"]
+    out = hongtu(tmp_path, f"output.dir={tmp_path}/run", "engine.devices=2", *args,
+                 "--metrics", f"{tmp_path}/m.jsonl")
+    assert out.returncode == 0, out.stderr[-3000:]
+    shape = re.search(r"device cuda:0: (\d+) part\(s\) x (\d+) chunk\(s\)", out.stdout)
+    assert shape and shape[1] == "2" and int(shape[2]) > 1, out.stdout
+    recs = records(tmp_path / "m.jsonl")
+    ranks = recs[-1]["ranks"]
+    assert len(ranks) == 2 and all(r["d2d_rows"] > 0 for r in ranks)
+    # (one GPU holds both parts' chunks of a batch: a larger budget, the same step)
+    ref = hongtu(tmp_path, f"output.dir={tmp_path}/ref", "engine.parts=2", *args,
+                 f"engine.chunks={shape[2]}", "engine.device_memory=4GiB",
+                 "--metrics", f"{tmp_path}/ref.jsonl")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert_same_losses(recs, records(tmp_path / "ref.jsonl"))
 
 
 def test_two_torchrun_nodes_on_loopback(tmp_path, one_process):
