@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -46,15 +47,18 @@ def run(args, devices: int, system: str, work: Path) -> dict:
            "train.eval_every=1000", f"engine.devices={devices}",
            f"engine.device_memory={args.budget}", "engine.partitioner=range",
            f"engine.accelerator={args.accelerator}",
-           f"engine.cache_dir={work}/cache", f"output.dir={out}", "--overwrite", "-q",
+           f"engine.cache_dir={work}/cache", f"output.dir={out}", "--overwrite",
            "--metrics", str(out / "m.jsonl"), *SYSTEMS[system]]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         return {"status": "failed", "stderr": p.stderr[-1500:]}
     recs = [json.loads(line) for line in open(out / "m.jsonl")]
+    shape = re.search(r"(\d+) part\(s\) x (\d+) chunk\(s\)", p.stdout)
     steady = recs[1:-1] or recs[1:] or recs  # drop warm-up and the evaluating last epoch
     last = steady[-1]
-    return {"status": "ok", "epoch_s": [r["epoch_s"] for r in recs],
+    return {"status": "ok", "chunks": int(shape[2]) if shape else None,
+            "resident": "device buffers (resident" in p.stdout,
+            "epoch_s": [r["epoch_s"] for r in recs],
             "median_epoch_s": statistics.median(r["epoch_s"] for r in steady),
             "h2d_bytes": last["h2d_bytes"], "d2d_bytes": last["d2d_bytes"],
             "d2h_bytes": last["d2h_bytes"], "peak_device_bytes": last["peak_device_bytes"],
@@ -100,17 +104,17 @@ def main() -> int:
                 if r["status"] != "ok":
                     print(r["stderr"], flush=True)
     base = results.get("+p2p+ru/1", {}).get("median_epoch_s")
-    print(f"\n{'system':<10}{'GPUs':>6}{'epoch s':>10}{'speedup':>9}{'h2d GiB':>10}"
-          f"{'d2d GiB':>10}{'d2h GiB':>10}")
+    print(f"\n{'system':<10}{'GPUs':>6}{'chunks':>8}{'epoch s':>10}{'speedup':>9}"
+          f"{'h2d GiB':>10}{'d2d GiB':>10}{'d2h GiB':>10}  resident")
     for key, r in results.items():
         system, d = key.split("/")
         if r.get("status") != "ok":
             print(f"{system:<10}{d:>6}  {r.get('status')}")
             continue
         sp = base / r["median_epoch_s"] if base else float("nan")
-        print(f"{system:<10}{d:>6}{r['median_epoch_s']:>10.3f}{sp:>9.2f}"
+        print(f"{system:<10}{d:>6}{r['chunks'] or '?':>8}{r['median_epoch_s']:>10.3f}{sp:>9.2f}"
               f"{r['h2d_bytes'] / 2**30:>10.2f}{r['d2d_bytes'] / 2**30:>10.2f}"
-              f"{r['d2h_bytes'] / 2**30:>10.2f}")
+              f"{r['d2h_bytes'] / 2**30:>10.2f}  {'yes' if r['resident'] else 'no'}")
     name = torch.cuda.get_device_name(0) if have else "cpu"
     doc = {"device": name, "gpus": have, "topology": topo, "scale": args.scale,
            "layers": args.layers, "hidden": args.hidden, "budget_per_gpu": args.budget,
