@@ -95,7 +95,7 @@ def nccl(request, tmp_path_factory):
 
 def check_job(ranks: list[dict], job: dict, world: int) -> None:
     """Each rank's loss and gradients are those of one process over all parts
-    and of the in-memory reference (how the executor moves rows aside)."""
+    and of the in-memory reference, whichever paths the executor's rows took."""
     graph = CASES[job["case"]](seed=1)
     single = make_model(job["layer"])
     res, g, _ = chunked_step(single, graph, world, job["chunks"], job["checkpoint"],

@@ -119,6 +119,7 @@ def test_two_gpus_match_one_process_on_one_gpu(tmp_path, layer):
     assert out.returncode == 0, out.stderr[-3000:]
     shape = re.search(r"device cuda:0: (\d+) part\(s\) x (\d+) chunk\(s\)", out.stdout)
     assert shape and shape[1] == "2" and int(shape[2]) > 1, out.stdout
+    assert "\nhost buffers:\n" in out.stdout, out.stdout  # (out of core, not resident)
     recs = records(tmp_path / "m.jsonl")
     ranks = recs[-1]["ranks"]
     assert len(ranks) == 2 and all(r["d2d_rows"] > 0 for r in ranks)
