@@ -27,8 +27,13 @@ ON = {"reuse": True, "p2p": True, "reorg": True}
 OFF = {"reuse": False, "p2p": True, "reorg": False}  # p2p is how rows reach other ranks
 LAYER_JOBS = [dict(case="skewed", layer=layer, chunks=2, checkpoint="auto", flags=flags)
               for flags in (ON, OFF) for layer in LAYERS]
-LAYER_IDS = [f"{layer}-{'dedup' if f is ON else 'no-reuse-no-reorg'}"
-             for f in (ON, OFF) for layer in LAYERS]
+
+
+def flags_name(flags: dict) -> str:
+    return "dedup" if flags is ON else "no-reuse-no-reorg"
+
+
+LAYER_IDS = [f"{j['layer']}-{flags_name(j['flags'])}" for j in LAYER_JOBS]
 FLAG_JOBS = [dict(case="skewed", layer="sage", chunks=3, checkpoint=ck, flags=flags)
              for ck in ("auto", "recompute")
              for flags in ({"reuse": False, "p2p": True, "reorg": False}, ON)]
@@ -62,7 +67,7 @@ GPU_JOBS = (LAYER_JOBS + [GPU_PATHS, GPU_OWN, dict(GPU_OWN, layer="gat")]
             + OWN_JOBS + FOLD_JOBS)
 GPU_IDS = (LAYER_IDS + ["gcn-gpu-paths", "sage-own-rows-kept-ordered", "gat-own-rows-kept-ordered"]
            + [f"own-rows-{j['layer']}-{j['checkpoint']}" for j in OWN_JOBS]
-           + [f"fold-{i}" for i in ("dedup", "no-reuse-no-reorg")])
+           + [f"fold-{flags_name(j['flags'])}" for j in FOLD_JOBS])
 
 
 def run_world(tmp_path, world: int, jobs: list[dict],
