@@ -314,16 +314,17 @@ def assign_slots(vals, start, stop, kept_flags, occ, slot_of, res_slots, load_po
 
 @parallel_kernel
 def lookup_slots(q_vals, q_start, q_stop, r_vals, r_start, r_stop, r_slots, lo, hi, recv_base,
-                 out_ptr, out):
+                 recv_start, recv_slots, out_ptr, out):
     """Slots of the rows of query segments, found in resident segments.
 
     Query ``q`` (sorted ids) is answered against resident segment ``q``
     (sorted, aligned slots ``r_slots``): an id in ``[lo[q], hi[q])`` must be
-    resident and gets its slot; any other id is a received row and gets
-    ``recv_base + r`` where ``r`` counts the received ids of the query so
-    far. An owned id missing from the resident set gets ``-1`` (a bug the
-    caller checks for).
+    resident and gets its slot; any other id is a received row and, as the
+    ``r``-th received id of the query, gets ``recv_base + recv_slots[recv_start[q] + r]``
+    (``recv_slots`` empty: ``recv_base + r``). An owned id missing from the
+    resident set gets ``-1`` (a bug the caller checks for).
     """
+    placed = recv_slots.shape[0] > 0
     for q in numba.prange(q_start.shape[0]):
         j = r_start[q]
         j1 = r_stop[q]
@@ -339,7 +340,7 @@ def lookup_slots(q_vals, q_start, q_stop, r_vals, r_start, r_stop, r_slots, lo, 
                 else:
                     out[o] = -1
             else:
-                out[o] = recv_base + r
+                out[o] = recv_base + (recv_slots[recv_start[q] + r] if placed else r)
                 r += 1
             o += 1
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numba
 import numpy as np
@@ -51,8 +52,9 @@ def _gather(vals: np.ndarray, start: np.ndarray, stop: np.ndarray,
 
 
 def _lookup(q_vals, q_start, q_stop, r_vals, r_start, r_stop, r_slots, lo, hi, recv_base,
-            slot_dtype) -> tuple[np.ndarray, np.ndarray]:
-    """``(ptr, slots)`` of query segments (see :func:`_kernels.lookup_slots`)."""
+            slot_dtype, received=None) -> tuple[np.ndarray, np.ndarray]:
+    """``(ptr, slots)`` of query segments (see :func:`_kernels.lookup_slots`;
+    ``received``: ``(recv_start, recv_slots)`` where the received rows lie)."""
     q_start = np.ascontiguousarray(q_start, dtype=_I64)
     q_stop = np.ascontiguousarray(q_stop, dtype=_I64)
     ptr = np.zeros(q_start.shape[0] + 1, dtype=_I64)
@@ -65,7 +67,8 @@ def _lookup(q_vals, q_start, q_stop, r_vals, r_start, r_stop, r_slots, lo, hi, r
                        np.ascontiguousarray(r_stop, dtype=_I64), r_slots,
                        np.broadcast_to(np.asarray(lo, dtype=_I64), (num,)).copy(),
                        np.broadcast_to(np.asarray(hi, dtype=_I64), (num,)).copy(),
-                       recv_base, ptr, out)
+                       recv_base, *(received or (np.zeros(0, dtype=_I64),
+                                                 np.zeros(0, dtype=slot_dtype))), ptr, out)
     if out.size and out.min() < 0:
         raise AssertionError("planner bug: a row a chunk reads is not resident")
     return ptr, out
@@ -125,48 +128,123 @@ def _flags(kept: KeptRows, ptr: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return flags
 
 
-def _exchange(d, devices, order, chunk_ids, nb_ptr, nb_ids, nb_cut, base, r_start, r_stop,
-              res_slots, own, num_slots, slot_dtype, exchange) -> dict:
-    """Send / receive arrays of device ``d`` (empty without an exchange)."""
+class _Walk(NamedTuple):
+    """A device's receive area, step by step (:func:`_receive_walks`): the
+    received sets (``ptr``/``vals``) with each row's slot in the area
+    (``slots``, aligned), the rows entering it at each step (``load_*``) and
+    those leaving after it (``flush_*``)."""
+
+    ptr: np.ndarray
+    vals: np.ndarray
+    slots: np.ndarray
+    load_ptr: np.ndarray
+    load_ids: np.ndarray
+    load_slots: np.ndarray
+    flush_ptr: np.ndarray
+    flush_ids: np.ndarray
+    flush_slots: np.ndarray
+
+
+def _receive_walks(devices, order, nb_ptr, nb_ids, nb_cut, reuse, num_nodes,
+                   slot_dtype) -> list[_Walk]:
+    """The receive area's slot walk of every device.
+
+    Device ``e``'s received set at step ``s`` is its chunk's neighbours that
+    other parts own (sorted: parts are ascending ranges). With ``reuse`` a
+    row received at step ``s - 1`` and read again at ``s`` stays in its slot
+    of the receive area, as the resident rows do in theirs (the same walk,
+    :func:`_assign`): only the rows that enter travel, and a row's gradient
+    goes back to its owner once, when it leaves. The owner holds the row for
+    the whole stay (it is in every one of those steps' transition sets).
+    """
+    walks = []
+    for e in range(devices):
+        c = order[:, e]
+        # (two segments a step: the neighbours below the own rows, those above)
+        start = np.stack([nb_ptr[c], nb_cut[c, e + 1]], axis=1).ravel()
+        stop = np.stack([nb_cut[c, e], nb_ptr[c + 1]], axis=1).ravel()
+        ptr, vals = _gather(nb_ids, start, stop)
+        ptr = ptr[::2].copy()
+        sizes = np.diff(ptr)
+        area = int(sizes.max()) if sizes.size else 0
+        slots = np.zeros(vals.shape[0], dtype=slot_dtype if vals.shape[0] < 2**31 - 2 else _I64)
+        walk = _assign(vals, ptr[:-1].copy(), ptr[1:].copy(), reuse, area, num_nodes, slots,
+                       slot_dtype)
+        walks.append(_Walk(ptr, vals, slots.astype(slot_dtype, copy=False), *walk))
+    return walks
+
+
+def _exchange(d, devices, part_ptr, walks, base, r_start, r_stop, res_slots, own, num_slots,
+              slot_dtype) -> dict:
+    """Send / receive / return arrays of device ``d`` (empty without ``walks``:
+    no exchange).
+
+    ``walks``: :func:`_receive_walks`. Device ``d`` receives at step ``s`` the
+    rows entering its receive area, and sends each peer ``e`` the rows of its
+    own part entering ``e``'s, read from its slots. After the step, the
+    gradients of the rows leaving ``d``'s area go back to their owners
+    (``leave_*``), and ``d`` adds the gradients returned by its peers at its
+    slots (``back_*``).
+    """
     num_steps = r_start.shape[0]
     send_counts = np.zeros((num_steps, devices), dtype=_I64)
     recv_counts = np.zeros((num_steps, devices), dtype=_I64)
-    if not exchange:
+    if walks is None:
         empty_ptr = np.zeros(num_steps + 1, dtype=_I64)
-        return dict(num_recv_slots=0, send_ptr=empty_ptr, send_ids=nb_ids[:0].copy(),
-                    send_slots=np.empty(0, dtype=slot_dtype),
-                    send_to=np.empty(0, dtype=np.int32), send_counts=send_counts,
-                    recv_ptr=empty_ptr.copy(), recv_ids=nb_ids[:0].copy(),
-                    recv_slots=np.empty(0, dtype=slot_dtype),
-                    recv_from=np.empty(0, dtype=np.int32), recv_counts=recv_counts)
+        no_ids = base[:0].copy()
+        no_slots = np.empty(0, dtype=slot_dtype)
+        no_peers = np.empty(0, dtype=np.int32)
+        return dict(num_recv_slots=0, send_ptr=empty_ptr, send_ids=no_ids,
+                    send_slots=no_slots, send_to=no_peers, send_counts=send_counts,
+                    recv_ptr=empty_ptr.copy(), recv_ids=no_ids.copy(),
+                    recv_slots=no_slots.copy(), recv_from=no_peers.copy(),
+                    recv_counts=recv_counts, leave_ptr=empty_ptr.copy(),
+                    leave_slots=no_slots.copy(), leave_counts=send_counts.copy(),
+                    back_ptr=empty_ptr.copy(), back_slots=no_slots.copy(),
+                    back_counts=recv_counts.copy())
     peers = np.array([e for e in range(devices) if e != d], dtype=_I64)
     k = peers.size
-    # Send to e at step s: N of e's chunk clipped to d's rows, read from d's slots.
-    sc = order[:, peers]
-    s_start, s_stop = nb_cut[sc, d].ravel(), nb_cut[sc, d + 1].ravel()
-    send_ptr, send_ids = _gather(nb_ids, s_start, s_stop)
-    _, send_slots = _lookup(nb_ids, s_start, s_stop, base, np.repeat(r_start, k),
-                            np.repeat(r_stop, k), res_slots, own[0], own[1], num_slots,
-                            slot_dtype)
-    send_counts[:, peers] = (s_stop - s_start).reshape(num_steps, k)
-    send_to = np.repeat(np.tile(peers, num_steps), s_stop - s_start).astype(np.int32)
-    # Receive from e at step s: N of d's chunk clipped to e's rows, into the
-    # receive area in source order (= id order: parts are ascending ranges).
-    rc = chunk_ids[:, None]
-    q_start, q_stop = nb_cut[rc, peers].ravel(), nb_cut[rc, peers + 1].ravel()
-    _, recv_ids = _gather(nb_ids, q_start, q_stop)
-    recv_counts[:, peers] = (q_stop - q_start).reshape(num_steps, k)
-    per_step = recv_counts.sum(axis=1)
-    recv_ptr = np.zeros(num_steps + 1, dtype=_I64)
-    np.cumsum(per_step, out=recv_ptr[1:])
-    recv_slots = (num_slots + np.arange(recv_ids.shape[0], dtype=_I64)
-                  - np.repeat(recv_ptr[:-1], per_step)).astype(slot_dtype)
-    return dict(num_recv_slots=int(per_step.max()) if num_steps else 0,
-                send_ptr=send_ptr[::k].copy(), send_ids=send_ids, send_slots=send_slots,
-                send_to=send_to, send_counts=send_counts, recv_ptr=recv_ptr, recv_ids=recv_ids,
-                recv_slots=recv_slots,
-                recv_from=np.repeat(np.tile(peers, num_steps), q_stop - q_start).astype(np.int32),
-                recv_counts=recv_counts)
+
+    def from_peers(ptr_of, ids_of):
+        """The rows of ``d``'s part in every peer's per-step lists (``ptr_of(walk)``,
+        ``ids_of(walk)``), step-major: ``(counts (steps, peers), pointers, ids,
+        d's slots of them at the step)``."""
+        starts, stops, lists, offs = [], [], [], 0
+        for e in peers:
+            ptr, ids = ptr_of(walks[e]), ids_of(walks[e])
+            cut = set_cuts(ptr, ids, part_ptr[d:d + 2])
+            starts.append(cut[:, 0] + offs)
+            stops.append(cut[:, 1] + offs)
+            lists.append(ids)
+            offs += ids.shape[0]
+        flat = np.concatenate(lists)
+        start, stop = np.stack(starts, axis=1).ravel(), np.stack(stops, axis=1).ravel()
+        ptr, ids = _gather(flat, start, stop)
+        _, slots = _lookup(flat, start, stop, base, np.repeat(r_start, k), np.repeat(r_stop, k),
+                           res_slots, own[0], own[1], num_slots, slot_dtype)
+        return (stop - start).reshape(num_steps, k), ptr[::k].copy(), ids, slots
+
+    # Sends: the rows of d's part entering each peer's area.
+    counts, send_ptr, send_ids, send_slots = from_peers(lambda w: w.load_ptr,
+                                                        lambda w: w.load_ids)
+    send_counts[:, peers] = counts
+    send_to = np.repeat(np.tile(peers, num_steps), counts.ravel()).astype(np.int32)
+    # Returns: the rows of d's part leaving each peer's area after the step.
+    counts, back_ptr, _, back_slots = from_peers(lambda w: w.flush_ptr, lambda w: w.flush_ids)
+    back_counts = np.zeros_like(recv_counts)
+    back_counts[:, peers] = counts
+    # Receives and leaves: d's own walk, its lists grouped by owner (ascending ids).
+    w = walks[d]
+    recv_counts[:] = np.diff(set_cuts(w.load_ptr, w.load_ids, part_ptr), axis=1)
+    return dict(num_recv_slots=int(np.diff(w.ptr).max()) if num_steps else 0,
+                send_ptr=send_ptr, send_ids=send_ids, send_slots=send_slots, send_to=send_to,
+                send_counts=send_counts, recv_ptr=w.load_ptr, recv_ids=w.load_ids,
+                recv_slots=(num_slots + w.load_slots.astype(_I64)).astype(slot_dtype),
+                recv_from=np.searchsorted(part_ptr, w.load_ids, side="right").astype(np.int32)
+                - 1, recv_counts=recv_counts, leave_ptr=w.flush_ptr,
+                leave_slots=(num_slots + w.flush_slots.astype(_I64)).astype(slot_dtype),
+                leave_counts=np.diff(set_cuts(w.flush_ptr, w.flush_ids, part_ptr), axis=1),
+                back_ptr=back_ptr, back_slots=back_slots, back_counts=back_counts)
 
 
 @dataclass(frozen=True)
@@ -303,6 +381,8 @@ def plan_transfers(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarra
     base = t_ids if shared else nb_ids
     # (It first holds positions in base: wider than the slots on huge plans.)
     res_slots = np.zeros(base.shape[0], dtype=slot_dtype if base.shape[0] < 2**31 - 2 else _I64)
+    walks = _receive_walks(devices, order, nb_ptr, nb_ids, nb_cut, reuse, num_nodes,
+                           slot_dtype) if exchange else None
     plans = []
     for d in range(devices):
         if devices == 1:
@@ -334,11 +414,13 @@ def plan_transfers(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarra
                 raise AssertionError("planner bug: a row a chunk reads is not resident")
         else:
             step_of = np.repeat(np.arange(step_ptr.shape[0] - 1), np.diff(step_ptr))
+            # (with an exchange one chunk a step: its received rows are the step's)
+            received = (walks[d].ptr[:-1], walks[d].slots) if exchange else None
             chunk_slot_ptr, chunk_slots = _lookup(
                 nb_ids, nb_ptr[chunk_ids], nb_ptr[chunk_ids + 1], base, r_start[step_of],
-                r_stop[step_of], res_slots, own[0], own[1], num_slots, slot_dtype)
-        ex = _exchange(d, devices, order, chunk_ids, nb_ptr, nb_ids, nb_cut, base, r_start,
-                       r_stop, res_slots, own, num_slots, slot_dtype, exchange)
+                r_stop[step_of], res_slots, own[0], own[1], num_slots, slot_dtype, received)
+        ex = _exchange(d, devices, part_ptr, walks, base, r_start, r_stop, res_slots, own,
+                       num_slots, slot_dtype)
         plans.append(DevicePlan(
             device=d, num_slots=num_slots, step_ptr=step_ptr, chunk_ids=chunk_ids,
             chunk_slot_ptr=chunk_slot_ptr, chunk_slots=chunk_slots, load_ptr=load_ptr,

@@ -30,7 +30,8 @@ class DevicePlan:
     ``num_slots + num_recv_slots`` rows: slots ``[0, num_slots)`` hold its
     resident rows (loaded from host, kept across steps in place),
     slots ``[num_slots, num_slots + num_recv_slots)`` are the receive area,
-    overwritten by every step's exchange.
+    where rows of other parts stay in place while consecutive steps read them
+    (with ``reuse``; without, every step's rows replace the step before's).
 
     **Per step ``s``, in this order** (``X[s]`` below means
     ``X[ptr[s]:ptr[s+1]]`` of the matching ``*_ptr``):
@@ -40,26 +41,33 @@ class DevicePlan:
     2. exchange (only with several devices and ``p2p``): send
        ``buf[send_slots[s]]`` to the peers; the rows for peer ``e`` are the
        run of ``send_to[s] == e``, ids ascending, peers ascending, with
-       ``send_counts[s, e]`` rows. Rows received from peer ``e`` land, in the
-       order ``e`` sent them, at ``recv_slots[s]`` where ``recv_from[s] == e``
-       (``recv_counts[s, e]`` rows, sources ascending). ``recv_slots[s]`` is
-       ``num_slots + arange(len)``: the receive area is the all-to-all output
-       buffer split by ``recv_counts[s]``, and the send list to ``e`` of this
-       device equals ``e``'s receive list from this device (same ids, same
-       order), so one all-to-all with per-peer counts implements it.
+       ``send_counts[s, e]`` rows: the rows of this device's part that enter
+       ``e``'s receive area at ``s``. The rows entering this device's area
+       arrive grouped by peer (the all-to-all's output, split by
+       ``recv_counts[s]``), ids ascending (``recv_ids[s]``, owners
+       ``recv_from[s]``), and go to ``buf[recv_slots[s]]``. The send list to
+       ``e`` of this device equals ``e``'s receive list from this device
+       (same ids, same order), so one all-to-all with per-peer counts
+       implements it. In backward, zero the gradient rows at
+       ``recv_slots[s]``.
     3. compute: chunk at position ``q`` of ``chunk_ids`` reads its
        neighbour rows (in the order of its sorted ``N_c`` = ``Block.src_ids``)
        at ``buf[chunk_slots[chunk_slot_ptr[q]:chunk_slot_ptr[q+1]]]``; in
        backward it scatter-adds their gradients at the same slots.
-    4. backward only: send the gradients of the receive area back (the
-       reverse all-to-all) and add each returned row into the owner's slot
-       ``send_slots[s]``.
+    4. backward only: the gradients of the rows leaving the receive area
+       after ``s`` (``buf[leave_slots[s]]``, grouped by owner, ids
+       ascending, ``leave_counts[s]`` rows per peer) go back to their owners
+       (the reverse all-to-all); the rows returned to this device
+       (``back_counts[s]`` per peer, in that order) are added at its slots
+       ``back_slots[s]``, which hold those rows at ``s``.
     5. flush: rows ``flush_ids[s]`` at ``flush_slots[s]`` leave the buffer
        (they are not needed at step ``s+1``; after the last step all rows
        leave). In backward add their gradients into host ``∇h[flush_ids]``.
 
-    Every residency interval of a row is loaded once and flushed once;
-    slots stay below ``num_slots`` and two resident rows never share one.
+    Every residency interval of a row is loaded (or received) once and
+    flushed (or returned) once; slots stay below ``num_slots`` (received
+    ones below ``num_slots + num_recv_slots``) and two resident rows never
+    share one.
 
     Args:
         device: device (rank) index ``d``.
@@ -74,6 +82,10 @@ class DevicePlan:
         send_ptr, send_ids, send_slots, send_to: per-step sends.
         recv_ptr, recv_ids, recv_slots, recv_from: per-step receives.
         send_counts, recv_counts: int64 ``(S, devices)`` rows per peer.
+        leave_ptr, leave_slots, leave_counts: per-step received rows whose
+            gradients return to their owners (slots in the receive area).
+        back_ptr, back_slots, back_counts: per-step gradients returned to
+            this device, added at its slots.
 
     Shapes:
         ``*_ptr`` are int64 of length ``S + 1`` (``chunk_slot_ptr`` of
@@ -105,6 +117,12 @@ class DevicePlan:
     recv_slots: np.ndarray
     recv_from: np.ndarray
     recv_counts: np.ndarray
+    leave_ptr: np.ndarray
+    leave_slots: np.ndarray
+    leave_counts: np.ndarray
+    back_ptr: np.ndarray
+    back_slots: np.ndarray
+    back_counts: np.ndarray
 
     @property
     def num_steps(self) -> int:

@@ -695,6 +695,15 @@ class _PlanOnDevice:
         self.send_slots = dev(plan.send_slots)
         self.send_counts = plan.send_counts.tolist()
         self.recv_counts = plan.recv_counts.tolist()
+        self.recv_slots = dev(plan.recv_slots)
+        # (a step whose rows fill the receive area from its start: received in place)
+        self.recv_in_place = [bool(np.array_equal(
+            got, plan.num_slots + np.arange(got.shape[0])))
+            for got in (plan.step("recv_slots", s) for s in range(plan.num_steps))]
+        self.leave_slots = dev(plan.leave_slots)
+        self.leave_counts = plan.leave_counts.tolist()
+        self.back_slots = dev(plan.back_slots)
+        self.back_counts = plan.back_counts.tolist()
 
         p = plan
         #: ``(step, q, chunk id, first of its step, last of its step)`` in processing order
@@ -742,10 +751,28 @@ class _PlanOnDevice:
         a, b = int(self.flush_split[s]), int(self.plan.flush_ptr[s + 1])
         return self.flush_ids[a:b], self.flush_slots[a:b], self.flush_ids_dev[a:b]
 
-    def sends(self, s: int) -> tuple[Tensor, list[int], list[int]]:
-        """Step ``s``'s send slots and the per-peer send and receive counts."""
+    def sends(self, s: int) -> tuple[Tensor, list[int], list[int], Tensor | None]:
+        """Step ``s``'s send slots, the per-peer send and receive counts, and the
+        slots the received rows go to (``None``: the receive area's first rows,
+        in order)."""
         a, b = int(self.plan.send_ptr[s]), int(self.plan.send_ptr[s + 1])
-        return self.send_slots[a:b], self.send_counts[s], self.recv_counts[s]
+        c, d = int(self.plan.recv_ptr[s]), int(self.plan.recv_ptr[s + 1])
+        into = None if self.recv_in_place[s] else self.recv_slots[c:d]
+        return self.send_slots[a:b], self.send_counts[s], self.recv_counts[s], into
+
+    def entering(self, s: int) -> Tensor:
+        """The receive area's slots of the rows entering it at step ``s``."""
+        return self.recv_slots[int(self.plan.recv_ptr[s]):int(self.plan.recv_ptr[s + 1])]
+
+    def returns(self, s: int) -> tuple[Tensor, list[int], Tensor, list[int]]:
+        """After step ``s``: the slots of the received rows leaving (their gradients
+        go back) with the per-peer counts, and the slots where the gradients
+        returned to this device are added, with theirs."""
+        p = self.plan
+        a, b = int(p.leave_ptr[s]), int(p.leave_ptr[s + 1])
+        c, d = int(p.back_ptr[s]), int(p.back_ptr[s + 1])
+        return self.leave_slots[a:b], self.leave_counts[s], self.back_slots[c:d], \
+            self.back_counts[s]
 
     def slots(self, q: int) -> Tensor:
         p = self.plan.chunk_slot_ptr
@@ -1489,21 +1516,27 @@ class Executor:
         mv.join(mark[0] if mark else None)
 
     def _exchange(self, s: int, tbuf: Tensor) -> None:
-        """Rows other ranks need go to them; rows this rank needs land in the receive area."""
+        """Rows entering other ranks' receive areas go to them; rows entering this
+        rank's land in its receive area (those received before stay where they are)."""
         if self.comm is None:
             return
-        slots, send, recv = self.plan.sends(s)
-        area = tbuf.narrow(0, self.plan.plan.num_slots, sum(recv))
+        slots, send, recv, into = self.plan.sends(s)
+        n = sum(recv)
+        area = tbuf.narrow(0, self.plan.plan.num_slots, n) if into is None \
+            else tbuf.new_empty((n, tbuf.shape[1]))
         self.mover.exchange(self.comm, area, recv, tbuf.index_select(0, slots), send)
+        if into is not None:
+            with self.mover.timing("time_d2d_s"):
+                tbuf.index_copy_(0, into, area)
 
     def _exchange_back(self, s: int, gbuf: Tensor) -> None:
-        """Gradients of received rows return to their owners and are added at their slots."""
+        """Gradients of the received rows leaving after step ``s`` return to their
+        owners, and those returned to this rank are added at its slots."""
         if self.comm is None:
             return
-        slots, send, recv = self.plan.sends(s)
-        area = gbuf.narrow(0, self.plan.plan.num_slots, sum(recv))
+        leave, out_counts, slots, in_counts = self.plan.returns(s)
         back = gbuf.new_empty((slots.shape[0], gbuf.shape[1]))
-        self.mover.exchange(self.comm, back, send, area.contiguous(), recv)
+        self.mover.exchange(self.comm, back, in_counts, gbuf.index_select(0, leave), out_counts)
         gbuf.index_add_(0, slots, back)
 
     def _reduce(self, res: StepResult) -> None:
@@ -1602,7 +1635,8 @@ class Executor:
                     self._exchange(s, tbuf)
                 if first and need_in and not self._direct and not self._whole[l]:
                     gbuf.index_fill_(0, plan.load(s)[1], 0)  # rows entering: no gradient
-                    gbuf[plan.plan.num_slots:].zero_()  # and so does the receive area
+                    if self.comm is not None:  # (nor do those entering the receive area)
+                        gbuf.index_fill_(0, plan.entering(s), 0)
                 # (the first piece of the step's flushed rows' aggregates travels
                 # beside its last chunk)
                 piece = self._flush_gather(s, 0) if last and into_first else None

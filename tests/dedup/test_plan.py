@@ -82,10 +82,14 @@ def expected_traffic(nb, order, part_ptr, devices, reuse, p2p) -> tuple[int, int
             h2d += len(res - prev) if reuse else len(res)
             prev = res
     d2d = 0
-    if devices > 1 and p2p:
+    if devices > 1 and p2p:  # (rows of other parts a device read at the step before stay)
         for d in range(devices):
             lo, hi = part_ptr[d], part_ptr[d + 1]
-            d2d += sum(sum(1 for u in nb[c] if not lo <= u < hi) for c in order[:, d])
+            prev = set()
+            for c in order[:, d]:
+                res = {u for u in nb[c] if not lo <= u < hi}
+                d2d += len(res - prev) if reuse else len(res)
+                prev = res
     return h2d, d2d
 
 
@@ -107,9 +111,9 @@ def replay(plan: TransferPlan, nb, seed: int = 0) -> None:
     host_grad: dict[int, int] = {}
     want_grad: dict[int, int] = {}
     processed = []
+    recv = [dict() for _ in plans]  # the receive areas: rows stay while steps read them
+    recv_grad = [dict() for _ in plans]
     for s in range(plans[0].num_steps):
-        recv = [dict() for _ in plans]
-        recv_grad = [dict() for _ in plans]
         for p in plans:
             ids, slots = p.step("load_ids", s).tolist(), p.step("load_slots", s).tolist()
             assert ids == sorted(ids) and slots == sorted(slots)
@@ -136,7 +140,16 @@ def replay(plan: TransferPlan, nb, seed: int = 0) -> None:
                 assert len(their) == q.recv_counts[s, p.device] == len(mine)
                 for sl_src, sl_dst in zip(mine, their):
                     assert q.num_slots <= sl_dst < q.buffer_rows and sl_dst not in recv[e]
+                    assert own[p.device][sl_src] not in recv[e].values()
                     recv[e][sl_dst] = own[p.device][sl_src]
+                    recv_grad[e][sl_dst] = 0
+        for p in plans:  # (the area holds exactly the step's rows of other parts)
+            if plan.devices > 1 and plan.p2p:
+                lo, hi = plan.part_ptr[p.device], plan.part_ptr[p.device + 1]
+                c = p.chunk_ids[s]
+                want = {u for u in nb[c] if not lo <= u < hi}
+                assert set(recv[p.device].values()) == want
+                assert len(recv[p.device]) <= p.num_recv_slots
         # Compute: every neighbour row at the slot the plan names.
         for p in plans:
             d = p.device
@@ -150,14 +163,28 @@ def replay(plan: TransferPlan, nb, seed: int = 0) -> None:
                     g = rng.randint(1, 99)
                     garea[sl] = garea.get(sl, 0) + g
                     want_grad[u] = want_grad.get(u, 0) + g
-        # Backward: received gradients go back to the owners' slots.
+        # Backward: gradients of rows leaving a receive area go back to the owners' slots.
         for p in plans:
-            sent, to = p.step("send_slots", s), p.step("send_to", s)
+            leave = p.step("leave_slots", s).tolist()
+            owner = [q.device for q in plans for _ in range(p.leave_counts[s, q.device])]
+            assert len(owner) == len(leave)
+            gone = [recv[p.device].pop(sl) for sl in leave]
+            assert gone == sorted(gone)
+            if s + 1 < p.num_steps and plan.reuse:  # (rows read at s + 1 stay)
+                lo, hi = plan.part_ptr[p.device], plan.part_ptr[p.device + 1]
+                nxt = set(nb[p.chunk_ids[s + 1]])
+                assert not nxt & set(gone)
+                assert set(recv[p.device].values()) <= nxt
             for e in range(plan.devices):
                 q = plans[e]
-                their = q.step("recv_slots", s)[q.step("recv_from", s) == p.device]
-                for sl_src, sl_dst in zip(sent[to == e].tolist(), their.tolist()):
-                    grad[p.device][sl_src] += recv_grad[e].get(sl_dst, 0)
+                back = q.step("back_slots", s)
+                b0 = int(q.back_counts[s, :p.device].sum())
+                mine = [sl for sl, o in zip(leave, owner) if o == e]
+                assert len(mine) == q.back_counts[s, p.device]
+                for u, sl_src, sl_dst in zip([g for g, o in zip(gone, owner) if o == e], mine,
+                                             back[b0:b0 + len(mine)].tolist()):
+                    assert own[e][sl_dst] == u
+                    grad[e][sl_dst] += recv_grad[p.device].pop(sl_src)
         for p in plans:
             ids, slots = p.step("flush_ids", s).tolist(), p.step("flush_slots", s).tolist()
             assert ids == sorted(ids)
@@ -169,6 +196,7 @@ def replay(plan: TransferPlan, nb, seed: int = 0) -> None:
                 held, want = set(own[p.device].values()), expected[p.device][s][1] & nxt
                 assert held == want if exact else held >= want
     assert all(not o for o in own), "rows left resident after the last step"
+    assert all(not r for r in recv), "rows left in a receive area after the last step"
     assert sorted(processed) == list(range(plan.num_parts * plan.num_chunks))
     assert host_grad == want_grad
 
@@ -248,8 +276,8 @@ def test_plan_replays(case, m, n, reuse, p2p):
 def test_in_place_slots_are_kept_and_compact():
     g, chunk_ptr = renumbered(CASES["halo_heavy"](), 2, 4)
     plan = plan_transfers(g.indptr, g.indices, chunk_ptr, 2, 4, devices=2)
-    t_ptr, _ = transition_sets(*neighbour_sets(g.indptr, g.indices, chunk_ptr), plan.order,
-                               g.num_nodes)
+    nb_ptr, nb_ids = neighbour_sets(g.indptr, g.indices, chunk_ptr)
+    t_ptr, _ = transition_sets(nb_ptr, nb_ids, plan.order, g.num_nodes)
     for p in plan.plans:
         sizes = np.diff(p.step_ptr)
         assert np.all(sizes == 1)
@@ -261,7 +289,10 @@ def test_in_place_slots_are_kept_and_compact():
             live -= p.flush_ptr[s + 1] - p.flush_ptr[s]
         assert peak == p.num_slots
         assert p.num_slots <= np.diff(t_ptr).max()
-        assert p.num_recv_slots == max(p.recv_counts.sum(axis=1))
+        # The receive area: as large as the most rows of other parts a step reads.
+        lo, hi = plan.part_ptr[p.device], plan.part_ptr[p.device + 1]
+        sets = [nb_ids[nb_ptr[c]:nb_ptr[c + 1]] for c in p.chunk_ids]
+        assert p.num_recv_slots == max(int(((u < lo) | (u >= hi)).sum()) for u in sets)
 
 
 @pytest.mark.parametrize("devices", [1, 3])

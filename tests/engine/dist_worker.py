@@ -76,6 +76,10 @@ def run_job(rank, world, comm, case: str, layer: str, chunks: int, checkpoint: s
             "correct": ev.correct, "total": ev.total,
             "loads": int(plan.plans[rank].load_ids.shape[0]),
             "sends": int(plan.plans[rank].send_ids.shape[0]),
+            # rows of other parts read at consecutive steps, received once
+            "received_kept": int((plan.plans[rank].chunk_slots >= plan.plans[rank].num_slots).sum()
+                                 - plan.plans[rank].recv_ids.shape[0]),
+            "received_elsewhere": sum(not x for x in ex.plan.recv_in_place),
             "own_rows": b - a, "ordered_rows": ex.ordered_rows,
             "own_from_sources": ex.own_rows_from_sources,
             "ordered_input_bytes": ex.ordered_input_bytes,

@@ -137,6 +137,12 @@ def test_dedup_switches_and_counted_rows(two, k):
         assert ev["h2d_rows"] == L * (r["loads"] + r["own_rows"])
         assert ev["d2d_rows"] == L * r["sends"]
         assert ev["d2h_rows"] == (L - 1) * r["own_rows"] + r["own_rows"]
+    if job["flags"]["reuse"]:  # (rows received at one step and read at the next stay,
+        # some steps' rows entering the receive area past its first rows)
+        assert all(r["received_kept"] > 0 for r in ranks)
+        assert any(r["received_elsewhere"] > 0 for r in ranks)
+    else:
+        assert all(r["received_kept"] == 0 == r["received_elsewhere"] for r in ranks)
     assert ranks[0]["total"] == ranks[1]["total"]  # accuracy counts are reduced over ranks
     assert ranks[0]["total"]["train"] == int(CASES["skewed"](seed=1).train_mask.sum())
 
@@ -223,3 +229,5 @@ def test_gpu_ranks_over_nccl_match_one_process_and_the_reference(nccl, k):
         if job.get("first_in_flushes"):
             assert r["first_in_flushes"]
     assert sum(r["traffic"]["d2d_rows"] for r in ranks) > 0  # (rows crossed between GPUs)
+    if job["flags"]["reuse"]:  # (rows received at one step and read at the next stay)
+        assert all(r["received_kept"] > 0 for r in ranks)
