@@ -103,7 +103,7 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
              early: list[bool] | None = None, first: tuple[int, int] = (0, 0),
              own: list[bool] | None = None, own_forward: list[bool] | None = None,
              into_first: bool = False, blocks: list[tuple[int, int]] | None = None,
-             narrow: bool = False) -> dict:
+             narrow: bool = False, d2d_rows: int = 0) -> dict:
     """Bytes of one training step (forward, loss, backward) as the executor moves them.
 
     ``cached[l]``: layer ``l``'s backward reads no rows, ``stored[l]``: its
@@ -137,7 +137,11 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
     (:func:`_block_bytes`; none where they stay on the device). ``narrow``:
     training writes layer 1's rows in first-load order as the first layer's
     aggregates (:func:`~hongtu.engine.executor.first_aggregates_ordered`), as
-    wide as ``h^0``.
+    wide as ``h^0``. ``d2d_rows``: the rows all devices send one another per
+    pass (the plan's): every forward pass (evaluation's too) and the backward
+    reload of a layer that is not cached send them at its width, and every
+    backward pass but the first layer's returns their gradients
+    (``d2d_bytes``, ``evaluation_d2d_bytes``).
     """
     n = num_nodes
     ordered = list(ordered or []) + [False] * (len(widths) - len(ordered or []))
@@ -190,6 +194,9 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
             "range_d2h_bytes": (0 if l == len(widths) - 2 and kept[-1] else made)
             + (dst if l > 0 and not all_rows and not own else 0),
             "evaluation_bytes": loads + dst_fwd + n * out + blocks[l][0],
+            # rows between devices: forward, backward reload, gradients returned
+            "d2d_bytes": d2d_rows * row * (1 + (not cached[l]) + (l > 0)),
+            "evaluation_d2d_bytes": d2d_rows * row,
         })
     t = {k: sum(x[k] for x in layers) for k in layers[0] if k.endswith("_bytes")}
     t.pop("row_bytes")
@@ -649,7 +656,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         blocks = _block_bytes(model, s, cached, n, itemsize, into) if gpu else None
         out = _traffic(widths, cached, stored, needs_dst, itemsize, n, plan.h2d_rows,
                        plan.d2h_rows, hand, ordered, sum(counts), index, held, early, first,
-                       own, fwd, into, blocks, narrow)
+                       own, fwd, into, blocks, narrow, plan.d2d_rows)
         # (host copies in load order, one process's: the inputs' loads, the rows' first loads)
         loads = max(int(p.load_ids.shape[0]) for p in plan.plans)
         # (the most elements one gradient flush stages in pinned host memory, of any
@@ -854,7 +861,7 @@ def _transfer_section(d: dict) -> list[str]:
                      fs(x["range_h2d_bytes"] + x["range_d2h_bytes"]), fs(x["block_h2d_bytes"]),
                      _ms(cl), str(ps)))
     lines += _table(rows, right=set(range(1, 12)) - {2, 3})
-    ep = t["epoch"]
+    ep, several = t["epoch"], d["engine"]["devices"] > 1
     return lines + [
         f"  epoch: neighbour rows {fs(ep['neighbour_bytes'])} (forward {fs(ep['forward_bytes'])}"
         f" + backward reloads {fs(ep['backward_reload_bytes'])} + gradient flushes "
@@ -863,7 +870,10 @@ def _transfer_section(d: dict) -> list[str]:
         f"{fs(ep['range_h2d_bytes'] + ep['range_d2h_bytes'])} and chunk blocks "
         f"{fs(ep['block_h2d_bytes'])} besides",
         f"  epoch totals: host->device {fs(ep['h2d_bytes'])}, device->host "
-        f"{fs(ep['d2h_bytes'])}; an evaluation pass adds {fs(ep['evaluation_bytes'])}",
+        f"{fs(ep['d2h_bytes'])}" + (
+            f", GPU-to-GPU {fs(ep['d2d_bytes'])} (all devices)" if several else "")
+        + f"; an evaluation pass adds {fs(ep['evaluation_bytes'])}" + (
+            f" and {fs(ep['evaluation_d2d_bytes'])} GPU-to-GPU" if several else ""),
         f"  cost C (Eq. 4) per epoch {_ms(c['epoch_s'])} + contiguous {_ms(c['contiguous_s'])} "
         f"at {tp['contiguous']:,.1f} GB/s = transfer lower bound {_ms(c['lower_bound_s'])} "
         f"per epoch at host link {tp['host_to_device']:,.1f} GB/s"]

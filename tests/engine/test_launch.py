@@ -15,6 +15,8 @@ import time
 import pytest
 import torch
 
+from hongtu.config import load_config
+from hongtu.report import build_report
 from tests.conftest import REPO
 
 CFG = str(REPO / "configs" / "gcn_example.yaml")
@@ -84,6 +86,12 @@ def test_two_ranks_match_one_process(tmp_path, one_process):
     assert len(ranks) == 2 and all(r["d2d_rows"] > 0 and r["h2d_rows"] > 0 for r in ranks)
     assert recs[-1]["h2d_rows"] == sum(r["h2d_rows"] for r in ranks)
     assert (tmp_path / "run" / "model.pt").is_file()
+    # hongtu report predicts the bytes between devices of every epoch (with its evaluation)
+    cfg = load_config(CFG, [*BASE, f"engine.cache_dir={tmp_path}/cache", "engine.devices=2"])
+    epoch = build_report(cfg, parts_list=[], chunks_list=[]).data["transfers"]["epoch"]
+    assert epoch["d2d_bytes"] > 0
+    for r in recs:
+        assert r["d2d_bytes"] == epoch["d2d_bytes"] + epoch["evaluation_d2d_bytes"]
 
 
 def test_two_ranks_plan_one_chunk_count_more_alike(tmp_path):
