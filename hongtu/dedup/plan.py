@@ -129,13 +129,12 @@ def _flags(kept: KeptRows, ptr: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 
 class _Walk(NamedTuple):
-    """A device's receive area, step by step (:func:`_receive_walks`): the
-    received sets (``ptr``/``vals``) with each row's slot in the area
-    (``slots``, aligned), the rows entering it at each step (``load_*``) and
-    those leaving after it (``flush_*``)."""
+    """A device's receive area, step by step (:func:`_receive_walks`): where the
+    received sets start and end (``ptr``), each received row's slot in the
+    area (``slots``, set by set), the rows entering it at each step
+    (``load_*``) and those leaving after it (``flush_*``)."""
 
     ptr: np.ndarray
-    vals: np.ndarray
     slots: np.ndarray
     load_ptr: np.ndarray
     load_ids: np.ndarray
@@ -170,7 +169,7 @@ def _receive_walks(devices, order, nb_ptr, nb_ids, nb_cut, reuse, num_nodes,
         slots = np.zeros(vals.shape[0], dtype=slot_dtype if vals.shape[0] < 2**31 - 2 else _I64)
         walk = _assign(vals, ptr[:-1].copy(), ptr[1:].copy(), reuse, area, num_nodes, slots,
                        slot_dtype)
-        walks.append(_Walk(ptr, vals, slots.astype(slot_dtype, copy=False), *walk))
+        walks.append(_Walk(ptr, slots.astype(slot_dtype, copy=False), *walk))
     return walks
 
 

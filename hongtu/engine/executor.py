@@ -756,8 +756,7 @@ class _PlanOnDevice:
         slots the received rows go to (``None``: the receive area's first rows,
         in order)."""
         a, b = int(self.plan.send_ptr[s]), int(self.plan.send_ptr[s + 1])
-        c, d = int(self.plan.recv_ptr[s]), int(self.plan.recv_ptr[s + 1])
-        into = None if self.recv_in_place[s] else self.recv_slots[c:d]
+        into = None if self.recv_in_place[s] else self.entering(s)
         return self.send_slots[a:b], self.send_counts[s], self.recv_counts[s], into
 
     def entering(self, s: int) -> Tensor:
