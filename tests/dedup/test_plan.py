@@ -171,7 +171,6 @@ def replay(plan: TransferPlan, nb, seed: int = 0) -> None:
             gone = [recv[p.device].pop(sl) for sl in leave]
             assert gone == sorted(gone)
             if s + 1 < p.num_steps and plan.reuse:  # (rows read at s + 1 stay)
-                lo, hi = plan.part_ptr[p.device], plan.part_ptr[p.device + 1]
                 nxt = set(nb[p.chunk_ids[s + 1]])
                 assert not nxt & set(gone)
                 assert set(recv[p.device].values()) <= nxt
