@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 from hongtu.dedup import _kernels as K
@@ -62,13 +63,59 @@ def union_sets(values: np.ndarray, gptr: np.ndarray, seg_start: np.ndarray,
         K.gather_segments(values, seg_start[gptr[:-1]], seg_stop[gptr[:-1]], ptr, ids)
         return ptr, ids
     if presorted:
+        # (cut into pieces by value where the groups are fewer than the tasks wanted)
+        pieces = _merge_pieces(values, gptr, seg_start, seg_stop)
+        if pieces is not None:
+            gptr, seg_start, seg_stop, per = pieces
+            counts = np.zeros(gptr.shape[0] - 1, dtype=np.int64)
+            ptr = np.zeros(gptr.shape[0], dtype=np.int64)
         K.merge_sorted(values, gptr, seg_start, seg_stop, ptr, values[:0], counts)
         np.cumsum(counts, out=ptr[1:])
         ids = np.empty(int(ptr[-1]), dtype=values.dtype)
         if ids.size:
             K.merge_sorted(values, gptr, seg_start, seg_stop, ptr, ids, counts)
-        return ptr, ids
+        return (ptr[::per].copy() if pieces is not None else ptr), ids
     return unique_union(values, gptr, seg_start, seg_stop, num_nodes, sets=True)
+
+
+#: The presorted union cuts its groups into pieces of at least this many ids
+#: where they are fewer than four tasks per thread (a few batches of many rows:
+#: the transition sets of several parts), :func:`_merge_pieces`.
+MERGE_PIECE = 1 << 16
+
+
+def _merge_pieces(values, gptr, seg_start, seg_stop):
+    """Groups of sorted segments cut into ``P`` pieces each, by the values at
+    equal steps of the group's longest segment: ``(gptr, seg_start, seg_stop,
+    P)`` of the ``G * P`` pieces in group-major, value order (piece ``k`` of a
+    group holds every segment's values from the ``k``-th cut to the next, so
+    the pieces' unions laid end to end are the group's), or ``None`` where one
+    piece a group is enough."""
+    num_groups = gptr.shape[0] - 1
+    lengths = seg_stop - seg_start
+    ends = np.concatenate([[0], np.cumsum(lengths)])
+    most = int((ends[gptr[1:]] - ends[gptr[:-1]]).max())
+    per = min(-(-4 * numba.get_num_threads() // num_groups), most // MERGE_PIECE)
+    if per <= 1:
+        return None
+    starts, stops = [], []
+    for g in range(num_groups):
+        a, b = int(gptr[g]), int(gptr[g + 1])
+        if a == b:
+            continue
+        top = a + int(np.argmax(lengths[a:b]))
+        cut = values[seg_start[top] + lengths[top] * np.arange(1, per) // per]
+        bounds = np.empty((b - a, per + 1), dtype=np.int64)  # [segment, cut]
+        bounds[:, 0], bounds[:, -1] = seg_start[a:b], seg_stop[a:b]
+        for i in range(b - a):
+            x, y = int(seg_start[a + i]), int(seg_stop[a + i])
+            bounds[i, 1:-1] = x + np.searchsorted(values[x:y], cut)
+        starts.append(bounds[:, :-1].T.ravel())  # (piece-major within the group)
+        stops.append(bounds[:, 1:].T.ravel())
+    sizes = np.repeat(np.diff(gptr), per)
+    new_gptr = np.zeros(sizes.shape[0] + 1, dtype=np.int64)
+    np.cumsum(sizes, out=new_gptr[1:])
+    return new_gptr, np.concatenate(starts), np.concatenate(stops), per
 
 
 def neighbour_sets(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarray,

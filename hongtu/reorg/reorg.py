@@ -206,13 +206,37 @@ def _overlap_matrix(q_ptr, q_ids, q_sel, t_ptr, t_ids, num_nodes):
 
 def _index_steps(q_ptr, q_ids, q_sel, t_ptr, t_ids, num_nodes, same) -> int:
     """Counter increments of the inverted-index method: over the query sets'
-    elements, the number of target sets holding each."""
-    k = np.bincount(t_ids[t_ptr[0]:t_ptr[-1]], minlength=num_nodes)
-    if same:
-        return int(np.dot(k, k))
-    kq = np.bincount(np.concatenate([q_ids[q_ptr[q]:q_ptr[q + 1]] for q in q_sel]),
-                     minlength=num_nodes)
-    return int(np.dot(kq, k))
+    elements, the number of target sets holding each (the sets are sorted:
+    counted by vertex ranges in parallel, :func:`_held_dot`)."""
+    q_sel = np.ascontiguousarray(q_sel, dtype=np.int64)
+    bounds = np.linspace(0, num_nodes, max(1, min(num_nodes, 4 * numba.get_num_threads())) + 1
+                         ).astype(np.int64)
+    return int(_held_dot(q_ptr, q_ids, q_sel, t_ptr, t_ids, bounds, same).sum())
+
+
+@numba.njit(parallel=True, cache=True)
+def _held_dot(q_ptr, q_ids, q_sel, t_ptr, t_ids, bounds, same):
+    """Per vertex range ``bounds[w]:bounds[w+1]``: the sum over its vertices ``u`` of
+    ``k_u`` (target sets holding ``u``) times the query sets holding ``u`` (``k_u``
+    again with ``same``), each set's piece of the range found by binary search."""
+    out = np.zeros(bounds.shape[0] - 1, dtype=np.int64)
+    for w in numba.prange(bounds.shape[0] - 1):
+        r0, r1 = bounds[w], bounds[w + 1]
+        k = np.zeros(r1 - r0, dtype=np.int64)
+        for s in range(t_ptr.shape[0] - 1):
+            seg = t_ids[t_ptr[s]:t_ptr[s + 1]]
+            for j in range(np.searchsorted(seg, r0), np.searchsorted(seg, r1)):
+                k[seg[j] - r0] += 1
+        if same:
+            out[w] = np.sum(k * k)
+            continue
+        kq = np.zeros(r1 - r0, dtype=np.int64)
+        for r in range(q_sel.shape[0]):
+            seg = q_ids[q_ptr[q_sel[r]]:q_ptr[q_sel[r] + 1]]
+            for j in range(np.searchsorted(seg, r0), np.searchsorted(seg, r1)):
+                kq[seg[j] - r0] += 1
+        out[w] = np.sum(kq * k)
+    return out
 
 
 @numba.njit(cache=True)

@@ -18,6 +18,7 @@ from hongtu.dedup import (
     transition_sets,
     union_sets,
 )
+from hongtu.dedup import sets as sets_module
 from hongtu.errors import UserError
 from hongtu.graph import Graph
 from hongtu.graph import _kernels as graph_kernels
@@ -234,6 +235,29 @@ def test_unions_sort_and_scan_paths():
     ptr2, ids2 = union_sets(sorted_vals, np.array([0, 2]), np.array([0, cut]),
                             np.array([cut, sorted_vals.size]), 10**6, presorted=True)
     assert np.array_equal(ids2, np.unique(vals)) and ptr2.tolist() == [0, ids2.size]
+
+
+@pytest.mark.parametrize("piece", [1, 7, 300])
+def test_sorted_unions_cut_into_pieces(monkeypatch, piece):
+    """A few groups of sorted segments are merged in pieces by value (more tasks
+    than groups): the unions are those of one merge per group, empty groups and
+    segments included."""
+    rng = np.random.default_rng(piece)
+    segs = [np.unique(rng.integers(0, 4000, k)) for k in (900, 0, 2500, 40, 1, 1200, 700)]
+    values = np.concatenate(segs).astype(np.int32)
+    ends = np.cumsum([0] + [x.size for x in segs])
+    gptr = np.array([0, 3, 3, 4, 7])  # (the second group has no segment)
+    want = [np.unique(np.concatenate(segs[a:b] + [np.empty(0, np.int64)]))
+            for a, b in zip(gptr[:-1], gptr[1:])]
+    monkeypatch.setattr(sets_module, "MERGE_PIECE", piece)
+    assert sets_module._merge_pieces(values, gptr, ends[:-1], ends[1:]) is not None
+    ptr, ids = union_sets(values, gptr, ends[:-1], ends[1:], 4000, presorted=True)
+    assert ids.dtype == values.dtype and ptr.shape == (5,)
+    for g in range(4):
+        assert ids[ptr[g]:ptr[g + 1]].tolist() == want[g].tolist()
+    # one group: as many pieces as four tasks per thread
+    ptr, ids = union_sets(values, np.array([0, 7]), ends[:-1], ends[1:], 4000, presorted=True)
+    assert ids.tolist() == np.unique(values).tolist() and ptr.tolist() == [0, ids.size]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -181,3 +181,29 @@ def test_random_graphs_never_worse(num_nodes, density, m, n, seed, hub):
     g, chunk_ptr = renumbered(g, m, n, seed)
     order = check_order(reorganize(g.indptr, g.indices, chunk_ptr, m, n), m, n)
     assert brute_cost(g, chunk_ptr, order) <= brute_cost(g, chunk_ptr, identity_order(m, n))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_index_steps_count_the_sets_holding_each_query_element(seed):
+    """The inverted index's work (which decides the overlap method), counted by
+    vertex ranges in parallel, is the count of sets holding each vertex, summed
+    over the query sets' elements."""
+    from hongtu.reorg.reorg import _index_steps
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 5000))
+
+    def csr(k):
+        sets = [np.unique(rng.integers(0, n, rng.integers(0, 3000))) for _ in range(k)]
+        return (np.concatenate([[0], np.cumsum([s.size for s in sets])]).astype(np.int64),
+                np.concatenate(sets).astype(np.int32))
+
+    t_ptr, t_ids = csr(int(rng.integers(1, 9)))
+    q_ptr, q_ids = csr(int(rng.integers(1, 9)))
+    sel = rng.permutation(q_ptr.size - 1)[:int(rng.integers(1, q_ptr.size))]
+    held = np.bincount(t_ids, minlength=n)
+    asked = np.bincount(np.concatenate([q_ids[q_ptr[q]:q_ptr[q + 1]] for q in sel]),
+                        minlength=n)
+    assert _index_steps(q_ptr, q_ids, sel, t_ptr, t_ids, n, False) == int(asked @ held)
+    every = np.arange(t_ptr.size - 1)
+    assert _index_steps(t_ptr, t_ids, every, t_ptr, t_ids, n, True) == int(held @ held)
