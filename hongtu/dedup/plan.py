@@ -5,7 +5,8 @@ A batch ``k`` runs chunk ``order[k, i]`` on part ``i``. Its transition set
 responsible for ``𝕅_dk = T_k ∩ rows(d)`` (p2p), loads from host only the
 rows it did not already hold at batch ``k-1`` (reuse,
 ``𝕅^cpu_dk = 𝕅_dk \ 𝕅_d(k-1)``), keeps the others in place
-(``𝕅^gpu_dk``), and receives the rows other devices own from them.
+(``𝕅^gpu_dk``), and receives the rows other devices own from them, keeping
+those it received at batch ``k-1`` and reads again in place too.
 
 :func:`plan_transfers` turns this into per-device arrays
 (:class:`~hongtu.dedup.types.DevicePlan`) the engine executes without any

@@ -1,10 +1,11 @@
 r"""Collectives between ranks (torch.distributed): row exchange and reductions.
 
 One process per device; rank ``r`` owns part ``r``. Rows a rank's chunk needs
-from another part travel device-to-device with one ``all_to_all_single`` per
-step (NCCL on GPUs, gloo on CPU), in the layout the planner fixed
-(:class:`hongtu.dedup.DevicePlan`: send lists grouped by peer, receive area
-split by peer). Gradients of received rows go back the same way, reversed.
+from another part, and did not hold from the step before, travel
+device-to-device with one ``all_to_all_single`` per step (NCCL on GPUs, gloo
+on CPU), in the layout the planner fixed (:class:`hongtu.dedup.DevicePlan`:
+send lists and arrivals grouped by peer). Gradients of received rows go back
+the same way, reversed, when the rows leave the receiving rank's area.
 """
 
 from __future__ import annotations
