@@ -757,7 +757,12 @@ def _host_memory(s: _Setting, rows: int, widths: list[int], stored: list[bool], 
     # (each process builds its own part's blocks)
     blocks = max(sum(per_chunk[i * n:(i + 1) * n]) for i in range(len(per_chunk) // n)) \
         if devices > 1 else sum(per_chunk)
-    plan_bytes = sum(a.nbytes for a in s.plan.to_npz_dict().values())
+    # (each process plans its own device's steps: the shared arrays and the largest's)
+    own = [0] * (devices + 1)  # (device d's arrays; the last, the shared ones)
+    for k, a in s.plan.to_npz_dict().items():
+        d = k.split(".")[0]
+        own[int(d[3:]) if "." in k else -1] += a.nbytes
+    plan_bytes = own[-1] + max(own[:-1])
     # (a GPU's pinned areas that receive gradient flushes while a thread adds them)
     staging = flush_staging_bytes(staged, itemsize) if gpu else 0
     others = [("chunk blocks", blocks), ("structure", structure_bytes),

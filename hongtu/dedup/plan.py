@@ -285,7 +285,7 @@ def plan_transfers(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarra
                    row_bytes: int | None = None,
                    neighbours: tuple[np.ndarray, np.ndarray] | None = None,
                    cache_rows: int | Callable[[list[DeviceNeeds]], int] = 0,
-                   overlaps: np.ndarray | None = None) -> TransferPlan:
+                   overlaps: np.ndarray | None = None, only: int | None = None) -> TransferPlan:
     r"""Plan the deduplicated host↔device transfers of one pass.
 
     Resident set of device ``d`` at step ``s`` (the rows it keeps in its own
@@ -322,6 +322,11 @@ def plan_transfers(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarra
             :class:`DeviceNeeds` without kept rows that returns it (a budget).
         overlaps: :func:`~hongtu.dedup.consecutive_overlaps` of the batches
             of ``order``, when the caller has them (the reorganiser does).
+        only: with several devices, plan device ``only``'s steps alone (a
+            rank needs no other's): the other entries of ``plans`` are
+            ``None`` and ``h2d_rows``, ``d2d_rows``, ``d2h_rows`` count that
+            device's rows (the volumes, kept rows and order are the whole
+            plan's).
 
     Returns:
         The :class:`~hongtu.dedup.types.TransferPlan`.
@@ -383,8 +388,8 @@ def plan_transfers(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarra
     res_slots = np.zeros(base.shape[0], dtype=slot_dtype if base.shape[0] < 2**31 - 2 else _I64)
     walks = _receive_walks(devices, order, nb_ptr, nb_ids, nb_cut, reuse, num_nodes,
                            slot_dtype) if exchange else None
-    plans = []
-    for d in range(devices):
+    plans: list[DevicePlan | None] = [None] * devices
+    for d in (range(devices) if only is None or devices == 1 else (int(only),)):
         if devices == 1:
             chunk_ids = flat.copy()
             own = (0, num_nodes)
@@ -421,17 +426,18 @@ def plan_transfers(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarra
                 r_stop[step_of], res_slots, own[0], own[1], num_slots, slot_dtype, received)
         ex = _exchange(d, devices, part_ptr, walks, base, r_start, r_stop, res_slots, own,
                        num_slots, slot_dtype)
-        plans.append(DevicePlan(
+        plans[d] = DevicePlan(
             device=d, num_slots=num_slots, step_ptr=step_ptr, chunk_ids=chunk_ids,
             chunk_slot_ptr=chunk_slot_ptr, chunk_slots=chunk_slots, load_ptr=load_ptr,
             load_ids=load_ids, load_slots=load_slots, flush_ptr=flush_ptr, flush_ids=flush_ids,
-            flush_slots=flush_slots, **ex))
-    h2d = sum(int(p.load_ids.shape[0]) for p in plans)
+            flush_slots=flush_slots, **ex)
+    planned = [p for p in plans if p is not None]
+    h2d = sum(int(p.load_ids.shape[0]) for p in planned)
     return TransferPlan(
         num_nodes=num_nodes, num_parts=m, num_chunks=n, devices=int(devices), reuse=bool(reuse),
         p2p=bool(p2p), order=order, part_ptr=part_ptr, plans=plans,
         cached_rows=kept.kept if kept is not None else 0,
         v_ori=vol.v_ori,
         v_p2p=vol.v_p2p, v_ru=vol.v_ru, h2d_rows=h2d,
-        d2d_rows=sum(int(p.send_ids.shape[0]) for p in plans),
-        d2h_rows=sum(int(p.flush_ids.shape[0]) for p in plans), row_bytes=row_bytes)
+        d2d_rows=sum(int(p.send_ids.shape[0]) for p in planned),
+        d2h_rows=sum(int(p.flush_ids.shape[0]) for p in planned), row_bytes=row_bytes)

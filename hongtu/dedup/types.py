@@ -166,7 +166,8 @@ class TransferPlan:
             part ``i`` runs in batch ``k``.
         part_ptr: int64 ``(m+1,)``; part ``i`` owns ids
             ``[part_ptr[i], part_ptr[i+1])``.
-        plans: one :class:`DevicePlan` per device.
+        plans: one :class:`DevicePlan` per device (``None`` for a device
+            not planned: :func:`~hongtu.dedup.plan_transfers`' ``only``).
         cached_rows: rows kept on their device through steps that do not
             read them (spare-memory caching; 0 without it).
         v_ori, v_p2p, v_ru: rows per pass without dedup, with p2p, with
@@ -174,6 +175,7 @@ class TransferPlan:
         h2d_rows: rows this plan loads from host per pass.
         d2d_rows: rows this plan moves between devices per pass.
         d2h_rows: rows this plan flushes to host per pass (= ``h2d_rows``).
+            (These three count the planned devices' rows.)
         row_bytes: bytes per row, or ``None``.
     """
 
@@ -185,7 +187,7 @@ class TransferPlan:
     p2p: bool
     order: np.ndarray
     part_ptr: np.ndarray
-    plans: list[DevicePlan] = field(default_factory=list)
+    plans: list[DevicePlan | None] = field(default_factory=list)
     cached_rows: int = 0
     v_ori: int = 0
     v_p2p: int = 0
@@ -232,7 +234,7 @@ class TransferPlan:
         out["row_bytes"] = np.asarray(-1 if self.row_bytes is None else int(self.row_bytes))
         out["order"] = self.order
         out["part_ptr"] = self.part_ptr
-        for p in self.plans:
+        for p in (p for p in self.plans if p is not None):
             for f in fields(DevicePlan):
                 out[f"dev{p.device}.{f.name}"] = np.asarray(getattr(p, f.name))
         return out
@@ -246,6 +248,9 @@ class TransferPlan:
         rb = int(data["row_bytes"])
         plans = []
         for d in range(scalar["devices"]):
+            if f"dev{d}.device" not in data:  # (not planned)
+                plans.append(None)
+                continue
             kw = {}
             for f in fields(DevicePlan):
                 v = np.asarray(data[f"dev{d}.{f.name}"])

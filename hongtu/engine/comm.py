@@ -66,6 +66,15 @@ class Comm:
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
+    def sum_ints(self, values: list[int]) -> list[int]:
+        """``values`` summed over ranks, element by element (one collective)."""
+        nccl = dist.get_backend() == "nccl"
+        t = torch.tensor([int(v) for v in values], dtype=torch.int64,
+                         device=torch.device("cuda", torch.cuda.current_device()) if nccl
+                         else "cpu")
+        dist.all_reduce(t)
+        return [int(v) for v in t.tolist()]
+
     def barrier(self) -> None:
         dist.barrier()
 

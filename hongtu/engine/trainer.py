@@ -257,7 +257,7 @@ class Trainer:
                 reuse=e.dedup.reuse, p2p=e.dedup.p2p, reorg=e.reorg, devices=world,
                 row_bytes=itemsize * max(self.model.row_widths()), t_hd=tp["host_to_device"],
                 t_dd=tp["device_to_device"], t_ru=tp["reuse"], cache_rows=cache_rows,
-                neighbours=neighbours)
+                neighbours=neighbours, only=rank if self.comm else None)
 
         neighbours, self.order, self.transfer_plan = plan_count(
             chunks, self.partition.chunk_ptr, sizes, neighbours)
@@ -269,8 +269,12 @@ class Trainer:
                 and e.dedup.reuse and e.dedup.cache)
         if self.comm:  # (every process alike: planning is collective, cache_rows)
             want = bool(self.comm.min_int(int(want)))
+        # (each process plans its own device's steps: counts over all are sums)
+        def total(*counts: int) -> list[int]:
+            return self.comm.sum_ints(list(counts)) if self.comm else list(counts)
+
         if want:
-            loaded, distinct = plan_loads(self.transfer_plan.plans)
+            loaded, distinct = total(*plan_loads([self.transfer_plan.plans[rank]]))
             more = more_chunks(chunks, loaded, distinct,
                                int(chunkings.chunker.part_sizes.min()))
             if more is not None:
@@ -281,7 +285,7 @@ class Trainer:
                     fits = bool(self.comm.min_int(int(fits)))
                 if fits:
                     other = plan_count(more, more_part.chunk_ptr, more_sizes, chunkings.sets(more))
-                    more_loaded = other[2].h2d_rows
+                    more_loaded = total(other[2].h2d_rows)[0]
                     self.more_chunks = (chunks, loaded / distinct, more, more_loaded / distinct)
                     take = (takes_more_chunks(loaded, more_loaded)
                             and estimate(other[2].plans[rank], more_sizes) <= self.room)
@@ -294,6 +298,7 @@ class Trainer:
                         neighbours, self.order, self.transfer_plan = other
                     del other
         del chunkings
+        self.loaded_rows = total(self.transfer_plan.h2d_rows)[0]  # (per pass, every process)
         blocks = resident_block_bytes(sizes, itemsize)
         self.plan_s = time.perf_counter() - t_plan
         self.estimate = estimate(self.transfer_plan.plans[rank], sizes)
@@ -482,7 +487,7 @@ class Trainer:
                  "host link)" if self.resident else "host buffers")
         transfers = (f"transfers per layer pass (rows / |V|): V_ori {tp.v_ori / n:.3f}, "
                      f"V_+p2p {tp.v_p2p / n:.3f}, V_+ru {tp.v_ru / n:.3f}; this plan loads "
-                     f"{tp.h2d_rows / n:.3f} (reuse={tp.reuse}, p2p={tp.p2p}, "
+                     f"{self.loaded_rows / n:.3f} (reuse={tp.reuse}, p2p={tp.p2p}, "
                      f"reorg={self.cfg.engine.reorg}; planned in {self.plan_s:.2f} s)")
         if tp.cached_rows:
             transfers += (f"\nspare device memory keeps {tp.cached_rows} reused rows on the "

@@ -434,7 +434,8 @@ def plan_batches(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarray,
                  reorg: bool = True, devices: int = 1, row_bytes: int | None = None,
                  t_hd: float = T_HD, t_dd: float = T_DD, t_ru: float = T_RU,
                  cache_rows: int | Callable[[list[DeviceNeeds]], int] = 0,
-                 neighbours: tuple[np.ndarray, np.ndarray] | None = None):
+                 neighbours: tuple[np.ndarray, np.ndarray] | None = None,
+                 only: int | None = None):
     """Batch order (reorganised or identity) and the transfer plan that executes it.
 
     The one call the engine's setup makes: neighbour sets are computed once
@@ -444,6 +445,7 @@ def plan_batches(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarray,
     reused rows resident across batches (see
     :func:`~hongtu.dedup.plan_transfers`). ``neighbours``: the
     :func:`~hongtu.dedup.neighbour_sets` when the caller has them already.
+    ``only``: plan that device's steps alone (see :func:`~hongtu.dedup.plan_transfers`).
 
     Returns:
         ``(order, plan)``: the ``(n, m)`` batch order and its
@@ -462,5 +464,6 @@ def plan_batches(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarray,
         order = identity_order(num_parts, num_chunks)
     plan = plan_transfers(indptr, indices, chunk_ptr, num_parts, num_chunks, order=order,
                           reuse=reuse, p2p=p2p, devices=devices, row_bytes=row_bytes,
-                          neighbours=nb, cache_rows=cache_rows, overlaps=overlaps)
+                          neighbours=nb, cache_rows=cache_rows, overlaps=overlaps,
+                          only=only)
     return order, plan

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -294,6 +295,28 @@ def test_plan_replays(case, m, n, reuse, p2p):
                 assert plan.h2d_rows == plan.v_p2p
             if p2p and reuse:
                 assert plan.h2d_rows == plan.v_ru
+
+
+@pytest.mark.parametrize("m,n", [(2, 3), (3, 3), (4, 2)])
+@pytest.mark.parametrize("cache", [0, 5])
+def test_one_device_planned_alone_is_its_part_of_the_whole(m, n, cache):
+    """A rank plans its own device's steps alone (``only``): the same arrays as
+    that device's in the plan of every device, the others left out, the
+    totals its own."""
+    g, chunk_ptr = renumbered(CASES["halo_heavy"](), m, n)
+    whole = plan_transfers(g.indptr, g.indices, chunk_ptr, m, n, devices=m, cache_rows=cache)
+    for d in range(m):
+        alone = plan_transfers(g.indptr, g.indices, chunk_ptr, m, n, devices=m,
+                               cache_rows=cache, only=d)
+        assert [p is None for p in alone.plans] == [e != d for e in range(m)]
+        a, b = alone.plans[d], whole.plans[d]
+        for f in dataclasses.fields(a):
+            assert np.array_equal(getattr(a, f.name), getattr(b, f.name)), f.name
+        assert (alone.h2d_rows, alone.d2d_rows, alone.d2h_rows) == (
+            b.load_ids.shape[0], b.send_ids.shape[0], b.flush_ids.shape[0])
+        assert (alone.v_ru, alone.cached_rows) == (whole.v_ru, whole.cached_rows)
+        back = TransferPlan.from_npz_dict(alone.to_npz_dict())
+        assert [p is None for p in back.plans] == [e != d for e in range(m)]
 
 
 def test_in_place_slots_are_kept_and_compact():
