@@ -285,7 +285,8 @@ def plan_transfers(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarra
                    row_bytes: int | None = None,
                    neighbours: tuple[np.ndarray, np.ndarray] | None = None,
                    cache_rows: int | Callable[[list[DeviceNeeds]], int] = 0,
-                   overlaps: np.ndarray | None = None, only: int | None = None) -> TransferPlan:
+                   overlaps: np.ndarray | None = None, only: int | None = None,
+                   transitions: tuple[np.ndarray, np.ndarray] | None = None) -> TransferPlan:
     r"""Plan the deduplicated host↔device transfers of one pass.
 
     Resident set of device ``d`` at step ``s`` (the rows it keeps in its own
@@ -322,6 +323,8 @@ def plan_transfers(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarra
             :class:`DeviceNeeds` without kept rows that returns it (a budget).
         overlaps: :func:`~hongtu.dedup.consecutive_overlaps` of the batches
             of ``order``, when the caller has them (the reorganiser does).
+        transitions: :func:`~hongtu.dedup.transition_sets` of ``order``, when
+            the caller has them (the reorganiser does).
         only: with several devices, plan device ``only``'s steps alone (a
             rank needs no other's): the other entries of ``plans`` are
             ``None`` and ``h2d_rows``, ``d2d_rows``, ``d2h_rows`` count that
@@ -359,7 +362,12 @@ def plan_transfers(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarra
     if nb_ptr.shape != (m * n + 1,):
         raise ValueError(f"{nb_ptr.shape[0] - 1} neighbour sets given for {m * n} chunks")
     part_ptr = chunk_ptr[::n].copy()
-    t_ptr, t_ids = transition_sets(nb_ptr, nb_ids, order, num_nodes)
+    if transitions is None:
+        transitions = transition_sets(nb_ptr, nb_ids, order, num_nodes)
+    elif np.shape(transitions[0]) != (order.shape[0] + 1,):
+        raise ValueError(f"{np.size(transitions[0]) - 1} transition sets given for "
+                         f"{order.shape[0]} batches")
+    t_ptr, t_ids = transitions
     if overlaps is None:
         overlaps = consecutive_overlaps(t_ptr, t_ids)
     elif np.shape(overlaps) != (t_ptr.shape[0] - 2,):

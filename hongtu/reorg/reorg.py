@@ -32,6 +32,7 @@ from hongtu.graph._kernels import parallel_kernel
 
 if TYPE_CHECKING:
     from hongtu.dedup.plan import DeviceNeeds
+from hongtu.dedup._kernels import gather_segments
 from hongtu.dedup.sets import (
     Volumes,
     check_order,
@@ -351,6 +352,9 @@ class ReorgResult:
         volumes: :class:`~hongtu.dedup.Volumes` of each candidate.
         overlaps: :func:`~hongtu.dedup.consecutive_overlaps` of the chosen
             order's batches, when the reorganiser had them (else ``None``).
+        sets: the chosen order's transition sets as the reorganiser made
+            them, ``(ptr, ids, rows)``: batch ``k``'s is set ``rows[k]``
+            (``rows`` ``None``: set ``k``); see :meth:`transitions`.
     """
 
     order: np.ndarray
@@ -358,6 +362,24 @@ class ReorgResult:
     costs: dict[str, float] = field(default_factory=dict)
     volumes: dict[str, Volumes] = field(default_factory=dict)
     overlaps: np.ndarray | None = None
+    sets: tuple | None = None
+
+    def transitions(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The chosen order's :func:`~hongtu.dedup.transition_sets`, batch by
+        batch (copied into that order where the reorganiser reordered them),
+        or ``None``."""
+        if self.sets is None:
+            return None
+        ptr, ids, rows = self.sets
+        if rows is None:
+            return ptr, ids
+        rows = np.asarray(rows, dtype=np.int64)
+        start, stop = ptr[:-1][rows], ptr[1:][rows]
+        out_ptr = np.zeros(rows.shape[0] + 1, dtype=np.int64)
+        np.cumsum(stop - start, out=out_ptr[1:])
+        out = np.empty(int(out_ptr[-1]), dtype=ids.dtype)
+        gather_segments(ids, start, stop, out_ptr, out)
+        return out_ptr, out
 
 
 def reorganize_report(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarray,
@@ -400,6 +422,7 @@ def reorganize_report(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.nda
         # Strictly cheaper only: on a tie the simpler (earlier) order stays.
         if name == "identity" or res.costs[name] < res.costs[res.chosen]:
             res.order, res.chosen, res.overlaps = order, name, over
+            res.sets = (*trans, rows)
     return res
 
 
@@ -459,11 +482,11 @@ def plan_batches(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarray,
         res = reorganize_report(indptr, indices, chunk_ptr, num_parts, num_chunks,
                                 neighbours=nb, row_bytes=row_bytes, t_hd=t_hd, t_dd=t_dd,
                                 t_ru=t_ru)
-        order, overlaps = res.order, res.overlaps
+        order, overlaps, sets = res.order, res.overlaps, res.transitions()
     else:
-        order = identity_order(num_parts, num_chunks)
+        order, sets = identity_order(num_parts, num_chunks), None
     plan = plan_transfers(indptr, indices, chunk_ptr, num_parts, num_chunks, order=order,
                           reuse=reuse, p2p=p2p, devices=devices, row_bytes=row_bytes,
                           neighbours=nb, cache_rows=cache_rows, overlaps=overlaps,
-                          only=only)
+                          only=only, transitions=sets)
     return order, plan

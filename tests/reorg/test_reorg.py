@@ -94,6 +94,13 @@ def test_valid_and_never_worse(case, m, n):
     with pytest.raises(ValueError, match="overlaps given"):
         plan_transfers(g.indptr, g.indices, chunk_ptr, m, n, order=order,
                        overlaps=np.zeros(n + 1, dtype=np.int64))
+    # (the reorganiser's sets of the chosen order are the counted ones)
+    sets = res.transitions()
+    want_sets = transition_sets(*nb, order, g.num_nodes)
+    assert all(np.array_equal(x, y) for x, y in zip(sets, want_sets))
+    with pytest.raises(ValueError, match="transition sets given"):
+        plan_transfers(g.indptr, g.indices, chunk_ptr, m, n, order=order,
+                       transitions=(sets[0][:-1], sets[1]))
 
 
 def test_phase2_chains_similar_batches():
