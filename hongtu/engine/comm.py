@@ -57,21 +57,23 @@ class Comm:
             g.copy_(flat[o:o + g.numel()].view_as(g))
             o += g.numel()
 
+    @staticmethod
+    def _ints(values: list[int]) -> Tensor:
+        """``values`` as int64 where the backend reduces them (NCCL: this rank's GPU)."""
+        nccl = dist.get_backend() == "nccl"
+        return torch.tensor([int(v) for v in values], dtype=torch.int64,
+                            device=torch.device("cuda", torch.cuda.current_device()) if nccl
+                            else "cpu")
+
     def min_int(self, value: int) -> int:
         """The smallest ``value`` over ranks (so that every rank plans alike)."""
-        nccl = dist.get_backend() == "nccl"
-        t = torch.tensor([int(value)], dtype=torch.int64,
-                         device=torch.device("cuda", torch.cuda.current_device()) if nccl
-                         else "cpu")
+        t = self._ints([value])
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
     def sum_ints(self, values: list[int]) -> list[int]:
         """``values`` summed over ranks, element by element (one collective)."""
-        nccl = dist.get_backend() == "nccl"
-        t = torch.tensor([int(v) for v in values], dtype=torch.int64,
-                         device=torch.device("cuda", torch.cuda.current_device()) if nccl
-                         else "cpu")
+        t = self._ints(values)
         dist.all_reduce(t)
         return [int(v) for v in t.tolist()]
 
