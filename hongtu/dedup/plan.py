@@ -205,13 +205,13 @@ def _exchange(d, devices, part_ptr, walks, base, r_start, r_stop, res_slots, own
     peers = np.array([e for e in range(devices) if e != d], dtype=_I64)
     k = peers.size
 
-    def from_peers(ptr_of, ids_of):
-        """The rows of ``d``'s part in every peer's per-step lists (``ptr_of(walk)``,
-        ``ids_of(walk)``), step-major: ``(counts (steps, peers), pointers, ids,
-        d's slots of them at the step)``."""
+    def from_peers(kind):
+        """The rows of ``d``'s part in every peer's ``kind`` lists (``"load"``: entering
+        its area, ``"flush"``: leaving it), step-major: ``(counts (steps, peers),
+        pointers, the lists end to end with their segments, d's slots of them)``."""
         starts, stops, lists, offs = [], [], [], 0
         for e in peers:
-            ptr, ids = ptr_of(walks[e]), ids_of(walks[e])
+            ptr, ids = getattr(walks[e], f"{kind}_ptr"), getattr(walks[e], f"{kind}_ids")
             cut = set_cuts(ptr, ids, part_ptr[d:d + 2])
             starts.append(cut[:, 0] + offs)
             stops.append(cut[:, 1] + offs)
@@ -219,18 +219,18 @@ def _exchange(d, devices, part_ptr, walks, base, r_start, r_stop, res_slots, own
             offs += ids.shape[0]
         flat = np.concatenate(lists)
         start, stop = np.stack(starts, axis=1).ravel(), np.stack(stops, axis=1).ravel()
-        ptr, ids = _gather(flat, start, stop)
-        _, slots = _lookup(flat, start, stop, base, np.repeat(r_start, k), np.repeat(r_stop, k),
-                           res_slots, own[0], own[1], num_slots, slot_dtype)
-        return (stop - start).reshape(num_steps, k), ptr[::k].copy(), ids, slots
+        ptr, slots = _lookup(flat, start, stop, base, np.repeat(r_start, k),
+                             np.repeat(r_stop, k), res_slots, own[0], own[1], num_slots,
+                             slot_dtype)
+        return (stop - start).reshape(num_steps, k), ptr[::k].copy(), (flat, start, stop), slots
 
     # Sends: the rows of d's part entering each peer's area.
-    counts, send_ptr, send_ids, send_slots = from_peers(lambda w: w.load_ptr,
-                                                        lambda w: w.load_ids)
+    counts, send_ptr, segments, send_slots = from_peers("load")
+    send_ids = _gather(*segments)[1]
     send_counts[:, peers] = counts
     send_to = np.repeat(np.tile(peers, num_steps), counts.ravel()).astype(np.int32)
     # Returns: the rows of d's part leaving each peer's area after the step.
-    counts, back_ptr, _, back_slots = from_peers(lambda w: w.flush_ptr, lambda w: w.flush_ids)
+    counts, back_ptr, _, back_slots = from_peers("flush")
     back_counts = np.zeros_like(recv_counts)
     back_counts[:, peers] = counts
     # Receives and leaves: d's own walk, its lists grouped by owner (ascending ids).
