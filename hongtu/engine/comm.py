@@ -103,6 +103,9 @@ def init_from_env(cuda: bool, timeout_s: float) -> Comm:
     if owned:
         if cuda:
             torch.cuda.set_device(local)
+        # (NCCL told this process's GPU: its communicator set up here, its
+        # barriers on that GPU, not one guessed from the rank)
         dist.init_process_group("nccl" if cuda else "gloo",
-                                timeout=datetime.timedelta(seconds=timeout_s))
+                                timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=torch.device("cuda", local) if cuda else None)
     return Comm(rank, world, local, owned)

@@ -167,10 +167,14 @@ class Trainer:
             raise UserError(f"engine.dedup.p2p=false with {world} processes: a process holds "
                             "only its own part's host rows, so rows of other parts must travel "
                             "GPU-to-GPU; set engine.dedup.p2p=true")
+        # (the cache key's hash of the structure taken before the barrier: the other
+        # processes hash while rank 0 partitions, not after it)
+        structure = graph.fingerprint(structure_only=True) \
+            if e.cache_dir is not None and parts > 1 else None
         if rank != 0:
             self.comm.barrier()  # rank 0 partitions and caches; the others read the cache
         assignment = assign_parts(graph, parts, method=e.partitioner, seed=cfg.train.seed,
-                                  cache_dir=e.cache_dir)
+                                  cache_dir=e.cache_dir, fingerprint=structure)
         if rank == 0 and self.comm:
             self.comm.barrier()
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -232,6 +236,19 @@ class Trainer:
         t_plan = time.perf_counter()
         split = {"renumber_s": t_plan - t_renumber}
         tp = resolve_throughput(e)  # the same cost model hongtu report shows
+        #: where planning went: the neighbour sets (where the chunk-count search
+        #: left none) and, with several processes, waiting in their agreements
+        self.plan_split = {"sets_s": 0.0, "waits_s": 0.0}
+
+        def agreed(op: str, value):
+            """``value`` agreed by every process through ``Comm.<op>`` (one process:
+            ``value``), the wait for the others timed."""
+            if not self.comm:
+                return value
+            t = time.perf_counter()
+            value = getattr(self.comm, op)(value)
+            self.plan_split["waits_s"] += time.perf_counter() - t
+            return value
 
         def estimate(dplan, sizes) -> int:  # a DevicePlan, or its DeviceNeeds before slots
             return estimate_device_bytes(
@@ -242,15 +259,17 @@ class Trainer:
         def plan_count(n: int, chunk_ptr: np.ndarray, sizes, neighbours) -> tuple:
             """``(neighbour sets, batch order, transfer plan)`` of ``n`` chunks per part."""
             if neighbours is None:  # (their sizes are the sources the count was chosen by)
+                t = time.perf_counter()
                 neighbours = neighbour_sets(g.indptr, g.indices, chunk_ptr,
                                             counts=sizes.num_src)
+                self.plan_split["sets_s"] += time.perf_counter() - t
 
             def cache_rows(needs) -> int:
                 """Rows the budget left after the plan keeps resident across batches."""
                 extra = spare_rows(self.room, estimate(needs[rank], sizes),
                                    max(self.model.row_widths()), itemsize)
                 extra = extra if e.dedup.cache and not self.resident else 0
-                return self.comm.min_int(extra) if self.comm else extra  # one plan for all
+                return agreed("min_int", extra)  # one plan for all
 
             return neighbours, *plan_batches(
                 g.indptr, g.indices, chunk_ptr, parts, n,
@@ -267,11 +286,11 @@ class Trainer:
         self.more_chunks = None  # (fewest, their loads / distinct rows, the other's)
         want = (e.chunks == "auto" and not self.resident and self.room is not None
                 and e.dedup.reuse and e.dedup.cache)
-        if self.comm:  # (every process alike: planning is collective, cache_rows)
-            want = bool(self.comm.min_int(int(want)))
+        # (every process alike: planning is collective, cache_rows)
+        want = bool(agreed("min_int", int(want)))
         # (each process plans its own device's steps: counts over all are sums)
         def total(*counts: int) -> list[int]:
-            return self.comm.sum_ints(list(counts)) if self.comm else list(counts)
+            return agreed("sum_ints", list(counts))
 
         if want:
             loaded, distinct = total(*plan_loads([self.transfer_plan.plans[rank]]))
@@ -280,17 +299,15 @@ class Trainer:
             if more is not None:
                 # (the same renumbering as every count's: only the chunk bounds differ)
                 more_part, more_sizes = chunkings.get(more)
-                fits = unplanned(more_sizes) <= self.room
-                if self.comm:
-                    fits = bool(self.comm.min_int(int(fits)))
+                fits = bool(agreed("min_int",
+                                   int(unplanned(more_sizes) <= self.room)))
                 if fits:
                     other = plan_count(more, more_part.chunk_ptr, more_sizes, chunkings.sets(more))
                     more_loaded = total(other[2].h2d_rows)[0]
                     self.more_chunks = (chunks, loaded / distinct, more, more_loaded / distinct)
-                    take = (takes_more_chunks(loaded, more_loaded)
-                            and estimate(other[2].plans[rank], more_sizes) <= self.room)
-                    if self.comm:
-                        take = bool(self.comm.min_int(int(take)))
+                    take = bool(agreed("min_int", int(
+                        takes_more_chunks(loaded, more_loaded)
+                        and estimate(other[2].plans[rank], more_sizes) <= self.room)))
                     if take:
                         chunks, sizes = more, more_sizes
                         self.partition = dataclasses.replace(more_part, method=e.partitioner,
@@ -475,6 +492,13 @@ class Trainer:
             return torch.optim.Adam(groups, lr=t.lr)
         return torch.optim.Adam(self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
 
+    def _plan_split_text(self) -> str:
+        """Where planning went, besides the plan itself, where it is worth saying."""
+        sets, waits = self.plan_split["sets_s"], self.plan_split["waits_s"]
+        said = ([f"neighbour sets {sets:.2f} s"] if sets >= 0.005 else []) + \
+            ([f"waiting for the other processes {waits:.2f} s"] if self.comm else [])
+        return ", of which " + ", ".join(said) if said else ""
+
     def _plan_text(self, plan: BufferPlan, parts: int, chunks: int) -> str:
         budget = "none" if self.budget is None else format_size(self.budget)
         m = self.model
@@ -488,7 +512,8 @@ class Trainer:
         transfers = (f"transfers per layer pass (rows / |V|): V_ori {tp.v_ori / n:.3f}, "
                      f"V_+p2p {tp.v_p2p / n:.3f}, V_+ru {tp.v_ru / n:.3f}; this plan loads "
                      f"{self.loaded_rows / n:.3f} (reuse={tp.reuse}, p2p={tp.p2p}, "
-                     f"reorg={self.cfg.engine.reorg}; planned in {self.plan_s:.2f} s)")
+                     f"reorg={self.cfg.engine.reorg}; planned in {self.plan_s:.2f} s"
+                     f"{self._plan_split_text()})")
         if tp.cached_rows:
             transfers += (f"\nspare device memory keeps {tp.cached_rows} reused rows on the "
                           "device across batches (engine.dedup.cache)")

@@ -191,7 +191,8 @@ def _check_args(graph: Graph, num_parts: int, method: str) -> None:
 
 def assign_parts(graph: Graph, num_parts: int, method: str = "metis", seed: int = 0,
                  cache_dir: str | None = None, *, return_hit: bool = False,
-                 timings: dict[str, float] | None = None) -> np.ndarray | tuple[np.ndarray, bool]:
+                 timings: dict[str, float] | None = None,
+                 fingerprint: str | None = None) -> np.ndarray | tuple[np.ndarray, bool]:
     r"""Level-1 partition: the part of every vertex, in the user's ids.
 
     Args:
@@ -203,6 +204,8 @@ def assign_parts(graph: Graph, num_parts: int, method: str = "metis", seed: int 
         return_hit: also return whether the result came from the cache.
         timings: if given, receives the seconds of each step
             (``symmetrize_s``, ``metis_s`` for METIS; ``assign_s`` always).
+        fingerprint: ``graph.fingerprint(structure_only=True)``, where the
+            caller has it already (the cache key; computed when ``None``).
 
     Returns:
         int32 array ``parts`` of length ``N`` with values in ``[0, m)``, or
@@ -220,7 +223,9 @@ def assign_parts(graph: Graph, num_parts: int, method: str = "metis", seed: int 
     key = None
     parts = None
     if cache_dir is not None and num_parts > 1:
-        key = cache_key(graph.fingerprint(structure_only=True), method, num_parts, int(seed))
+        if fingerprint is None:
+            fingerprint = graph.fingerprint(structure_only=True)
+        key = cache_key(fingerprint, method, num_parts, int(seed))
         parts = load_assignment(cache_dir, key, graph.num_nodes, num_parts)
         if parts is not None:
             logger.info("loaded %s part assignment (%d parts) from cache %s",

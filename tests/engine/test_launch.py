@@ -82,6 +82,7 @@ def test_two_ranks_match_one_process(tmp_path, one_process):
     recs = records(tmp_path / "m.jsonl")
     assert_same_losses(recs, one_process)
     assert out.stdout.count("epoch    1/3") == 1, "rank 0 alone reports"
+    assert "waiting for the other processes" in out.stdout  # (the planning step's agreements)
     ranks = recs[-1]["ranks"]
     assert len(ranks) == 2 and all(r["d2d_rows"] > 0 and r["h2d_rows"] > 0 for r in ranks)
     assert recs[-1]["h2d_rows"] == sum(r["h2d_rows"] for r in ranks)

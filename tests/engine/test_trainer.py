@@ -22,6 +22,9 @@ def test_setup_times_add_up(tmp_path):
     assert all(v >= 0 for v in [*times.values(), *split.values()])
     assert math.isclose(sum(times.values()), tr.preprocess_s, rel_tol=1e-9)
     assert sum(split.values()) <= times["other_s"] + 1e-9  # parts of the rest, timed inside it
+    # one process: no waits; the chunk-count search left the neighbour sets, or
+    # they were computed inside the planning step
+    assert tr.plan_split["waits_s"] == 0 and 0 <= tr.plan_split["sets_s"] <= times["plan_s"]
 
 
 def test_setup_names_the_layers_moved_whole(tmp_path):

@@ -48,6 +48,18 @@ def test_second_call_loads_cache(graph, tmp_path, metis_calls, caplog):
     assert [f.name for f in tmp_path.iterdir()] == [the_file(graph, tmp_path).name]
 
 
+def test_given_fingerprint_is_the_key(graph, tmp_path, metis_calls, monkeypatch):
+    """A caller's structure fingerprint (hashed before a barrier) keys the cache
+    as the one assign_parts would take, and the graph is not hashed again."""
+    structure = graph.fingerprint(structure_only=True)
+    a = assign_parts(graph, 4, cache_dir=tmp_path)
+    monkeypatch.setattr(type(graph), "fingerprint", lambda *a, **k: pytest.fail("hashed"))
+    b, hit = assign_parts(graph, 4, cache_dir=tmp_path, return_hit=True, fingerprint=structure)
+    assert hit and metis_calls == [4] and np.array_equal(a, b)
+    _, hit = assign_parts(graph, 4, cache_dir=tmp_path, return_hit=True, fingerprint="other")
+    assert not hit and metis_calls == [4, 4]
+
+
 def test_other_chunk_counts_reuse_parts(graph, tmp_path, metis_calls):
     p2 = partition_graph(graph, 4, 2, cache_dir=tmp_path)
     p5 = partition_graph(graph, 4, 5, cache_dir=tmp_path)
