@@ -32,7 +32,7 @@ from hongtu.dedup import TransferPlan, neighbour_sets, plan_transfers
 from hongtu.dedup.sets import identity_order
 from hongtu.errors import UserError
 from hongtu.graph import Graph
-from hongtu.partition import Partition, assign_parts, chunk_partition
+from hongtu.partition import MetisError, Partition, assign_parts, chunk_partition
 from hongtu.partition._kernels import count_cut_edges, distinct_sources
 from hongtu.reorg import cost, reorganize_report
 
@@ -76,16 +76,21 @@ def parse_counts(text: str | None, what: str) -> list[int] | None:
 
 # ----------------------------------------------------------------- analysis
 def _replication(graph: Graph, method: str, seed: int, cache_dir: str,
-                 counts: list[int]) -> tuple[list[dict], list[int]]:
-    """α and cut fraction of ``method`` for each part count (level 1 only, cached)."""
+                 counts: list[int]) -> tuple[list[dict], list[int], dict | None]:
+    """α and cut fraction of ``method`` for each part count (level 1 only, cached);
+    the counts skipped; where METIS failed (``{"parts", "message"}``), the table
+    stops there (more parts take more of its memory), else ``None``."""
     rows, skipped = [], []
     for m in counts:
         if m > graph.num_nodes // 2:
             skipped.append(m)
             continue
         t0 = time.perf_counter()
-        assignment, hit = assign_parts(graph, m, method=method, seed=seed, cache_dir=cache_dir,
-                                       return_hit=True)
+        try:
+            assignment, hit = assign_parts(graph, m, method=method, seed=seed,
+                                           cache_dir=cache_dir, return_hit=True)
+        except MetisError as err:
+            return rows, skipped, {"parts": m, "message": str(err)}
         perm = np.argsort(assignment, kind="stable")
         part_ptr = np.zeros(m + 1, dtype=np.int64)
         np.cumsum(np.bincount(assignment, minlength=m), out=part_ptr[1:])
@@ -94,7 +99,7 @@ def _replication(graph: Graph, method: str, seed: int, cache_dir: str,
         rows.append({"parts": m, "alpha": float(nbrs.sum()) / max(graph.num_nodes, 1),
                      "cut_fraction": cut / max(graph.num_edges, 1), "cached": bool(hit),
                      "seconds": time.perf_counter() - t0})
-    return rows, skipped
+    return rows, skipped, None
 
 
 def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h2d_rows: int,
@@ -591,7 +596,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     tp = resolve_throughput(e)
 
     t0 = time.perf_counter()
-    alpha, skipped = _replication(graph, e.partitioner, cfg.train.seed, e.cache_dir,
+    alpha, skipped, failed = _replication(graph, e.partitioner, cfg.train.seed, e.cache_dir,
                                   list(PARTS_LIST if parts_list is None else parts_list))
     t["replication_s"] = time.perf_counter() - t0
 
@@ -715,6 +720,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         "throughput": {k: v / 1e9 for k, v in tp.items() if k != "source"}
                       | {"source": tp["source"]},
         "replication": alpha, "replication_skipped": skipped,
+        "replication_failed": failed,
         "volumes": {"candidates": cands, "chosen": main.order_name, "without_reorg": "identity",
                     "with_reorg": min(cands, key=lambda k: cands[k]["cost_s"]),
                     "plan": {k: int(v) for k, v in main.plan.volumes().items()
@@ -825,6 +831,10 @@ def _alpha_section(d: dict) -> list[str]:
     if d["replication_skipped"]:
         lines.append(f"  skipped {', '.join(map(str, d['replication_skipped']))} parts: more "
                      f"than |V|/2 = {d['graph']['num_nodes'] // 2:,}")
+    failed = d["replication_failed"]
+    if failed:
+        lines.append(f"  stopped at {failed['parts']} parts (--parts-list sets the counts): "
+                     f"{failed['message']}")
     return lines
 
 

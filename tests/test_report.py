@@ -145,6 +145,37 @@ def test_alpha_skips_part_counts_above_half_the_vertices(tmp_path):
     assert d["replication_skipped"] == [1501, 4096]
 
 
+def test_alpha_table_stops_where_metis_fails(capsys, tmp_path, monkeypatch):
+    """METIS out of memory at some part count (pymetis raises): the α table stops
+    there with METIS's line, and the rest of the report is made; the same
+    failure for the config's own parts is one line and exit code 2."""
+    import pymetis
+
+    real = pymetis.part_graph
+
+    def part_graph(nparts, *args, **kwargs):
+        if nparts >= 4:
+            raise RuntimeError("Caught an unknown exception!")
+        return real(nparts, *args, **kwargs)
+
+    monkeypatch.setattr(pymetis, "part_graph", part_graph)
+    args = [*base(tmp_path, "engine.partitioner=metis"), "--parts-list", "2,4,8"]
+    rc, out, err = run(capsys, "report", CONFIG, *args, "--json")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert [r["parts"] for r in d["replication"]] == [2]
+    assert d["replication_failed"]["parts"] == 4
+    assert "METIS could not split the graph" in d["replication_failed"]["message"]
+    assert d["volumes"]  # (the config's own 2 parts: METIS did those)
+    rc, out, err = run(capsys, "report", CONFIG, *args)
+    assert rc == 0 and "  stopped at 4 parts (--parts-list sets the counts): METIS could not" \
+        in out, err
+    rc, out, err = run(capsys, "report", CONFIG, *base(tmp_path, "engine.partitioner=metis",
+                                                        "engine.parts=4"), "--parts-list", "2")
+    assert rc == 2 and err.startswith("hongtu: error: METIS could not split the graph")
+    assert err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("extra", [
     [],
     ["model.layer=sage", "model.layers=3", "engine.dedup.reuse=false"],

@@ -14,13 +14,14 @@ Example::
     >>> print(format_stats(partition_stats(graph, p)))
 """
 
-from hongtu.partition.assign import METHODS, assign_parts
+from hongtu.partition.assign import METHODS, MetisError, assign_parts
 from hongtu.partition.partition import Chunker, Partition, chunk_partition, partition_graph
 from hongtu.partition.stats import format_stats, partition_stats
 
 __all__ = [
     "METHODS",
     "Chunker",
+    "MetisError",
     "Partition",
     "assign_parts",
     "chunk_partition",

@@ -74,3 +74,32 @@ def test_timings_reported(make_random_graph):
     timings: dict[str, float] = {}
     assign_parts(make_random_graph(300, 2000), 2, method="metis", timings=timings)
     assert {"symmetrize_s", "metis_s", "assign_s"} <= set(timings)
+
+
+@pytest.fixture
+def metis_fails_from(monkeypatch):
+    """pymetis raising as it does when METIS runs out of memory, from ``m`` parts."""
+    import pymetis
+
+    real = pymetis.part_graph
+
+    def failing(m):
+        def part_graph(nparts, *args, **kwargs):
+            if nparts >= m:
+                raise RuntimeError("Caught an unknown exception!")
+            return real(nparts, *args, **kwargs)
+        monkeypatch.setattr(pymetis, "part_graph", part_graph)
+    return failing
+
+
+def test_metis_failure_is_one_line_naming_the_way_out(make_random_graph, metis_fails_from):
+    from hongtu.partition import MetisError
+
+    metis_fails_from(4)
+    g = make_random_graph(200, 1600, seed=2)
+    assert np.bincount(assign_parts(g, 2, method="metis")).size == 2
+    with pytest.raises(MetisError, match=r"METIS could not split the graph \(200 vertices, "
+                       r".* into 4 parts \(RuntimeError: Caught an unknown exception!\); .*"
+                       r"engine.partitioner=range") as info:
+        assign_parts(g, 4, method="metis")
+    assert info.value.num_parts == 4 and "\n" not in str(info.value)

@@ -1,0 +1,175 @@
+"""Kept update graphs: what a resident forward pass holds against the memory planner's count.
+
+Resident on one device, layers whose update is more than one linear map
+(SAGE, GIN) keep its autograd graph from forward to backward
+(``Executor(keep_graphs=True)``), and :func:`hongtu.engine.budget.kept_graph_bytes`
+counts what those graphs hold, to decide whether they fit the budget. For
+GIN and SAGE, 2 and 3 layers (128 features, hidden 256, 16 classes,
+dropout 0.5) on R-MAT 2^15 in 4 chunks, every kept layer together and each
+alone, this measures per vertex:
+
+* ``allocated``: on a GPU, what the training forward pass leaves allocated
+  (``torch.cuda.memory_allocated`` after it minus before; the buffers are
+  resident and allocated before), and what each layer's kept updates
+  allocated while they ran;
+* ``held``: the unique storages reachable from the kept tensors and their
+  graphs' saved tensors (not parameters); it misses what custom autograd
+  functions keep out of sight, so on a GPU it is a floor;
+* ``estimate``: ``kept_graph_bytes`` of the same layers.
+
+On a CPU the executor is made resident as the tests make it
+(``tests/engine/test_oracle.py``'s ``_as_resident``). Run::
+
+    python bench/bench_kept_graphs.py [--device cuda]
+
+Prints one line per case and writes ``bench/results/kept_graphs_<device>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from common import RESULTS, device_name, file_tag
+
+from hongtu.engine.budget import ChunkSizes, kept_graph_bytes
+from hongtu.engine.buffers import BufferPlan, HostBuffers
+from hongtu.engine.chunks import ChunkSet
+from hongtu.engine.executor import Executor
+from hongtu.graph.generators import rmat_graph
+from hongtu.graph.transforms import add_self_loops
+from hongtu.nn import GNN, resolve_layer
+from hongtu.partition import chunk_partition
+from hongtu.reorg import plan_batches
+
+CHUNKS = 4
+
+
+def _storage_bytes(t, seen: set) -> int:
+    if not isinstance(t, torch.Tensor):
+        return 0
+    s = t.untyped_storage()
+    if s.data_ptr() in seen:
+        return 0
+    seen.add(s.data_ptr())
+    return s.nbytes()
+
+
+def held_bytes(roots, params) -> int:
+    """Unique storages of ``roots`` and of what their graphs save (not ``params``)."""
+    seen = {p.untyped_storage().data_ptr() for p in params}
+    total = sum(_storage_bytes(t, seen) for t in roots)
+    stack = [t.grad_fn for t in roots if isinstance(t, torch.Tensor)]
+    done = set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in done:
+            continue
+        done.add(id(fn))
+        for name in dir(fn):
+            if name.startswith("_saved_") or name == "saved_tensors":
+                try:
+                    value = getattr(fn, name)
+                except RuntimeError:  # (freed, or not a tensor attribute)
+                    continue
+                for x in value if isinstance(value, (tuple, list)) else [value]:
+                    total += _storage_bytes(x, seen)
+        stack.extend(nxt for nxt, _ in fn.next_functions)
+    return total
+
+
+def measure(graph, layer: str, layers: int, dev: torch.device, only: int | None) -> dict:
+    torch.manual_seed(0)
+    cls = resolve_layer(layer)
+    widths = [graph.num_features] + [256] * (layers - 1) + [graph.num_classes]
+    model = GNN([cls(widths[i], widths[i + 1]) for i in range(layers)], dropout=0.5,
+                activation="relu", transform_first=True, keep_dropped=True)
+    p = chunk_partition(graph, np.zeros(graph.num_nodes, dtype=np.int64), CHUNKS, num_parts=1)
+    g = p.apply(graph)
+    buf = HostBuffers(BufferPlan(g.num_nodes, model.row_widths(),
+                                 model.stored_aggregates("auto")), g.x,
+                      pin=dev.type == "cuda", device=dev)
+    model.to(dev)
+    _, plan = plan_batches(g.indptr, g.indices, p.chunk_ptr, 1, CHUNKS)
+    masks = {k: torch.from_numpy(getattr(g, f"{k}_mask")) for k in ("train", "val", "test")}
+    ex = Executor(model, ChunkSet.build(g, p.chunk_ptr, 1, CHUNKS), buf, torch.from_numpy(g.y),
+                  masks, dev, plan.plans[0], checkpoint="auto", seed=0, keep_graphs=True,
+                  own_in_sources=True)
+    if dev.type == "cpu":  # (resident, as the tests make a CPU executor)
+        ex._direct = ex.resident = True
+        ex._whole = [False] * len(ex._whole)
+        ex._first_in_slots = ex._in_flushes = False
+        ex._in_place = ex._in_slots = [False] * len(ex._whole)
+    if only is not None:
+        ex._graph_layers = [l == only for l in range(layers)]
+    per_update: dict[int, int] = {}
+    cuda = dev.type == "cuda"
+    if cuda:
+        keep = ex._keep_update
+
+        def counted(l, *args, **kwargs):
+            m0 = torch.cuda.memory_allocated()
+            out = keep(l, *args, **kwargs)
+            per_update[l] = per_update.get(l, 0) + torch.cuda.memory_allocated() - m0
+            return out
+
+        ex._keep_update = counted
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+    ex.forward(3, train=True)
+    kept = ex.kept_graphs
+    n = g.num_nodes
+    sizes = ChunkSizes(np.zeros(CHUNKS, np.int64), np.diff(p.chunk_ptr).astype(np.int64),
+                       np.zeros(CHUNKS, np.int64))
+    rec = {"layer": layer, "layers": layers, "kept": kept, "held_per_vertex": {
+        l: sum(held_bytes(list(ex._graphs[(l, c)]), list(model.parameters()))
+               for c in range(CHUNKS)) / n for l in kept},
+        "estimate_per_vertex": {l: kept_graph_bytes(model, sizes, 4, [i == l for i in
+                                                                      range(layers)],
+                                                    dev.type) / n for l in kept}}
+    rec["estimate_all_per_vertex"] = kept_graph_bytes(
+        model, sizes, 4, [l in kept for l in range(layers)], dev.type) / n
+    if cuda:
+        torch.cuda.synchronize()
+        rec["allocated_per_vertex"] = (torch.cuda.memory_allocated() - before) / n
+        rec["updates_allocated_per_vertex"] = {l: v / n for l, v in sorted(per_update.items())}
+    del ex, buf
+    if cuda:
+        torch.cuda.empty_cache()
+    return rec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    graph = add_self_loops(rmat_graph(15, 8, num_features=128, num_classes=16, seed=1))
+    records = []
+    for layer, layers in [("gin", 2), ("gin", 3), ("sage", 2), ("sage", 3)]:
+        for only in [None, *range(layers)]:
+            rec = measure(graph, layer, layers, dev, only)
+            records.append(rec)
+            line = f"{layer} {layers} layers, kept {rec['kept']}: estimate " \
+                f"{rec['estimate_all_per_vertex']:.0f} B/vertex"
+            if "allocated_per_vertex" in rec:
+                line += f", allocated {rec['allocated_per_vertex']:.0f} (updates " + ", ".join(
+                    f"L{l} {v:.0f}" for l, v in rec["updates_allocated_per_vertex"].items()) + ")"
+            line += "; held, estimate by layer " + ", ".join(
+                f"L{l} {rec['held_per_vertex'][l]:.0f}/{rec['estimate_per_vertex'][l]:.0f}"
+                for l in rec["kept"])
+            print(line, flush=True)
+    name = device_name() if dev.type == "cuda" else "cpu"
+    out = Path(RESULTS) / f"kept_graphs_{file_tag(name)}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"device": name, "torch": torch.__version__, "graph":
+                               "R-MAT 2^15 + self-loops, 128 features, 16 classes",
+                               "chunks": CHUNKS, "records": records}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
