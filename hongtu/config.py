@@ -198,6 +198,9 @@ class EngineConfig:
         "instead of a gather; costs host memory)")
     resident: Auto | bool = _f(
         "auto", "keep every buffer on the GPU (HongTu-IM); auto = when it fits device_memory")
+    tf32: bool = _f(
+        False, "GPU: dense matrix products in TF32 (inputs rounded to 10 mantissa bits; "
+        "faster, but no longer exactly FP32 training)")
     throughput: ThroughputConfig = _f(ThroughputConfig(), "link throughputs for the cost model")
     cache_dir: str = _f(".hongtu_cache", "where partitions and plans are cached")
     timeout: float = _f(600.0, "seconds a rank waits for the others before the run fails",

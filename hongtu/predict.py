@@ -148,7 +148,8 @@ def predict(cfg: Config, checkpoint: str | Path, embeddings: bool = False,
                         f"built from the config ({first}); was it trained on other data?"
                         ) from exc
     ex = trainer.executor
-    res = ex.evaluate(0)
+    with trainer.matmul_precision():  # (as the run trained, engine.tf32)
+        res = ex.evaluate(0)
     acc = {s: res.accuracy(s) for s in ("train", "val", "test") if res.total.get(s)}
     if embeddings:
         rows = ex.buf.h[-2].detach().cpu().numpy().astype(np.float32, copy=False)

@@ -716,7 +716,9 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
                    "chunks_how": chunks_how, "devices": e.devices, "reuse": e.dedup.reuse,
                    "p2p": e.dedup.p2p, "reorg": e.reorg, "checkpoint": e.checkpoint,
                    "device_memory": budget, "smallest_part": smallest,
-                   "resident": resident},
+                   "resident": resident,
+                   # (the products' precision: TF32 where engine.tf32 asks on a GPU)
+                   "precision": "tf32" if e.tf32 and gpu else "fp32"},
         "throughput": {k: v / 1e9 for k, v in tp.items() if k != "source"}
                       | {"source": tp["source"]},
         "replication": alpha, "replication_skipped": skipped,
@@ -811,7 +813,8 @@ def _header(d: dict) -> list[str]:
         f"graph {g['name']}: {g['num_nodes']:,} vertices, {g['num_edges']:,} edges; model: {model}",
         f"engine: {en['partitioner']} partitioner, {en['parts']} part(s) x {en['chunks']} "
         f"chunk(s) ({en['chunks_how']}), {en['devices']} device(s); reuse={en['reuse']}, "
-        f"p2p={en['p2p']}, reorg={en['reorg']}, checkpoint={en['checkpoint']}, fp32",
+        f"p2p={en['p2p']}, reorg={en['reorg']}, checkpoint={en['checkpoint']}, "
+        + ("fp32 (TF32 matrix products)" if en["precision"] == "tf32" else "fp32"),
         "throughput (GB/s): " + ", ".join(
             f"{k.replace('_', ' ')} {tp[k]:,.1f} ({src[k]})"
             for k in ("host_to_device", "device_to_device", "reuse", "contiguous")),

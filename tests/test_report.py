@@ -812,3 +812,15 @@ def test_own_rows_recomputed_only_below_the_degree(tmp_path, monkeypatch):
     monkeypatch.setattr(executor, "OWN_RECOMPUTE_BELOW_DEGREE", 1.0)
     d = build_report(cfg, parts_list=[], chunks_list=[]).data
     assert d["model"]["cached"] == [True, True]
+
+
+@pytest.mark.parametrize("accelerator,precision,said", [
+    ("cuda", "tf32", "fp32 (TF32 matrix products)"), ("cpu", "fp32", "fp32")])
+def test_engine_line_names_tf32_products_for_a_gpu_run(tmp_path, accelerator, precision, said):
+    """engine.tf32 is a GPU's: the report planned for one says its products are
+    TF32, and for a CPU run says fp32."""
+    cfg = load_config(CONFIG, base(tmp_path, "engine.tf32=true",
+                                   f"engine.accelerator={accelerator}"))
+    d = build_report(cfg, parts_list=[], chunks_list=[]).data
+    assert d["engine"]["precision"] == precision
+    assert any(line.endswith(f"checkpoint=auto, {said}") for line in format_report(d).splitlines())

@@ -427,6 +427,10 @@ class Trainer:
             rows.append("rows written in load order by the training forward pass "
                         "(engine.ordered_rows): " + ", ".join(names)
                         + f", {format_size(ex.ordered_row_bytes)} of pinned host memory")
+        if e.tf32:
+            rows.append("dense matrix products in TF32 (engine.tf32): faster, not exactly FP32 "
+                        "training" if self.device.type == "cuda" else
+                        f"engine.tf32 has no effect on {self.device.type} (TF32 is a GPU's)")
         if rows:
             self.out("\n".join(rows))
         self.optimizer = self._optimizer()
@@ -575,6 +579,20 @@ class Trainer:
             save_checkpoint(self.outdir, epochs_done, self.model, self.optimizer,
                             self.cfg.to_dict())
 
+    @contextlib.contextmanager
+    def matmul_precision(self):
+        """The model's work in here runs its dense matrix products in TF32 where
+        ``engine.tf32`` asks for it on a GPU (PyTorch's flag, restored after)."""
+        if not (self.cfg.engine.tf32 and self.device.type == "cuda"):
+            yield
+            return
+        before = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+        try:
+            yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = before
+
     def run_epoch(self, epoch: int, progress: bool = False,
                   evaluate: bool | None = None) -> dict:
         """One optimizer step and (every ``eval_every`` epochs) an evaluation pass.
@@ -582,6 +600,10 @@ class Trainer:
         ``evaluate`` forces the evaluation pass on or off (benchmarks time the
         training step alone).
         """
+        with self.matmul_precision():
+            return self._run_epoch(epoch, progress, evaluate)
+
+    def _run_epoch(self, epoch: int, progress: bool, evaluate: bool | None) -> dict:
         ex = self.executor
         if evaluate is None:
             evaluate = (epoch + 1) % self.cfg.train.eval_every == 0 or (

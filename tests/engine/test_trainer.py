@@ -146,3 +146,51 @@ def test_training_allocates_no_more_than_the_estimate(tmp_path, layers):
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         del BUILTIN_DATASETS["rmat17_budget"]
+
+
+def test_tf32_is_a_gpu_setting_set_for_the_run_alone(tmp_path, monkeypatch):
+    """engine.tf32: on a CPU a line says it has no effect and PyTorch's flag is not
+    touched; on a GPU the flag is on inside the run's work and restored after."""
+    import torch
+
+    lines = []
+    cfg = load_config(REPO / "configs" / "gcn_example.yaml",
+                      [f"output.dir={tmp_path}", f"engine.cache_dir={tmp_path}/cache",
+                       "engine.accelerator=cpu", "model.hidden=16", "engine.chunks=3",
+                       "engine.tf32=true"])
+    tr = Trainer(cfg, overwrite=True, out=lines.append)
+    assert "engine.tf32 has no effect on cpu (TF32 is a GPU's)" in "\n".join(lines)
+    seen = []
+    step = tr.executor.step
+    monkeypatch.setattr(tr.executor, "step", lambda *a, **k: seen.append(
+        torch.backends.cuda.matmul.allow_tf32) or step(*a, **k))
+    before = torch.backends.cuda.matmul.allow_tf32
+    tr.run_epoch(0)
+    assert seen == [before]
+    # (a GPU's: the device as the trainer sees it; the flag itself needs no GPU)
+    monkeypatch.setattr(tr, "device", torch.device("cuda"))
+    with tr.matmul_precision():
+        assert torch.backends.cuda.matmul.allow_tf32
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+    with pytest.raises(RuntimeError), tr.matmul_precision():
+        raise RuntimeError("the run failed")
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+
+
+@pytest.mark.gpu
+def test_tf32_on_inside_a_gpu_epoch(tmp_path, monkeypatch):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    cfg = load_config(REPO / "configs" / "gcn_example.yaml",
+                      [f"output.dir={tmp_path}", f"engine.cache_dir={tmp_path}/cache",
+                       "engine.accelerator=cuda", "model.hidden=16", "engine.tf32=true"])
+    tr = Trainer(cfg, overwrite=True, out=lambda s: None)
+    seen = []
+    step = tr.executor.step
+    monkeypatch.setattr(tr.executor, "step", lambda *a, **k: seen.append(
+        torch.backends.cuda.matmul.allow_tf32) or step(*a, **k))
+    before = torch.backends.cuda.matmul.allow_tf32
+    tr.run_epoch(0)
+    assert seen == [True] and torch.backends.cuda.matmul.allow_tf32 == before
