@@ -596,8 +596,9 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     tp = resolve_throughput(e)
 
     t0 = time.perf_counter()
-    alpha, skipped, failed = _replication(graph, e.partitioner, cfg.train.seed, e.cache_dir,
-                                  list(PARTS_LIST if parts_list is None else parts_list))
+    alpha, skipped, failed = _replication(
+        graph, e.partitioner, cfg.train.seed, e.cache_dir,
+        list(PARTS_LIST if parts_list is None else parts_list))
     t["replication_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()

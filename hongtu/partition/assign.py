@@ -138,12 +138,7 @@ def random_parts(graph: Graph, num_parts: int, seed: int = 0) -> np.ndarray:
 
 
 class MetisError(UserError):
-    """METIS failed to partition (most often out of host memory); ``num_parts``:
-    the count it was asked for."""
-
-    def __init__(self, message: str, num_parts: int) -> None:
-        super().__init__(message)
-        self.num_parts = num_parts
+    """METIS failed to partition (most often out of host memory)."""
 
 
 def metis_parts(graph: Graph, num_parts: int, seed: int = 0,
@@ -187,7 +182,7 @@ def metis_parts(graph: Graph, num_parts: int, seed: int = 0,
                 f"{adjncy.shape[0]:,} arcs) into {num_parts} parts ({type(err).__name__}: "
                 f"{err}); on a large graph that is most often host memory (a 128M-arc graph "
                 "peaked at 21.6 GB in 16 parts): free memory, use fewer parts, or set "
-                "engine.partitioner=range", num_parts) from err
+                "engine.partitioner=range") from err
     t2 = time.perf_counter()
     parts = np.asarray(result[1], dtype=np.int32)
     if timings is not None:

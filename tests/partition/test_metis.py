@@ -102,4 +102,4 @@ def test_metis_failure_is_one_line_naming_the_way_out(make_random_graph, metis_f
                        r".* into 4 parts \(RuntimeError: Caught an unknown exception!\); .*"
                        r"engine.partitioner=range") as info:
         assign_parts(g, 4, method="metis")
-    assert info.value.num_parts == 4 and "\n" not in str(info.value)
+    assert "\n" not in str(info.value)
