@@ -54,10 +54,15 @@ def run(args, devices: int, system: str, work: Path) -> dict:
         return {"status": "failed", "stderr": p.stderr[-1500:]}
     recs = [json.loads(line) for line in open(out / "m.jsonl")]
     shape = re.search(r"(\d+) part\(s\) x (\d+) chunk\(s\)", p.stdout)
+    # (rank 0's planning step and its wait for the other ranks' agreements)
+    planned = re.search(r"planned in ([0-9.]+) s(?:, of which (?:neighbour sets [0-9.]+ s, )?"
+                        r"waiting for the other processes ([0-9.]+) s)?", p.stdout)
     steady = recs[1:-1] or recs[1:] or recs  # drop warm-up and the evaluating last epoch
     last = steady[-1]
     return {"status": "ok", "chunks": int(shape[2]) if shape else None,
             "resident": "device buffers (resident" in p.stdout,
+            "plan_s": float(planned[1]) if planned else None,
+            "plan_waits_s": float(planned[2]) if planned and planned[2] else None,
             "epoch_s": [r["epoch_s"] for r in recs],
             "median_epoch_s": statistics.median(r["epoch_s"] for r in steady),
             "h2d_bytes": last["h2d_bytes"], "d2d_bytes": last["d2d_bytes"],

@@ -171,7 +171,8 @@ def main() -> int:
     ap.add_argument("workload", choices=sorted(WORKLOADS))
     ap.add_argument("--model", default="gcn2", choices=sorted(MODELS))
     ap.add_argument("--system", default="hongtu",
-                    choices=sorted(k for k in SYSTEMS if k not in ("resident", "serial")),
+                    choices=sorted(k for k, v in SYSTEMS.items()
+                                   if not v["resident"] and k != "serial"),
                     help="the suite's out-of-core system to time (default hongtu)")
     ap.add_argument("--scale", type=int, default=None, help="R-MAT scale of rmat22/largest")
     ap.add_argument("--budget", default=None,

@@ -119,6 +119,11 @@ SYSTEMS = {
     # hongtu moving the plan's neighbour rows for every layer (none whole)
     "nowhole": {"dedup": {"reuse": True, "p2p": True}, "reorg": True, "resident": False,
                 "whole_layers": False},
+    # TF32 dense products (engine.tf32: not exactly FP32 training), out of core and resident
+    "tf32": {"dedup": {"reuse": True, "p2p": True}, "reorg": True, "resident": False,
+             "tf32": True},
+    "resident-tf32": {"dedup": {"reuse": True, "p2p": True}, "reorg": True, "resident": True,
+                      "tf32": True},
 }
 
 
@@ -161,7 +166,7 @@ def hongtu_run(key: str, mcfg: dict, system: str, budget: int | None, args, peak
         "train": {"epochs": args.epochs, "seed": 0},
         "engine": {"chunks": int(chunks) if chunks else "auto", "partitioner": "range",
                    "device_memory": (getattr(args, "resident_budget", None) or "auto")
-                   if name == "resident" else budget or "auto",
+                   if SYSTEMS[name]["resident"] else budget or "auto",
                    "cache_dir": str(Path(args.workdir) / "cache"),
                    **SYSTEMS[name]},
         "output": {"dir": str(Path(args.workdir) / "run")},
