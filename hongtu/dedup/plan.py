@@ -27,6 +27,7 @@ from hongtu.dedup.cache import KeptRows, choose_kept_rows, set_cuts
 from hongtu.dedup.sets import (
     check_order,
     consecutive_overlaps,
+    gather_segments_csr,
     neighbour_sets,
     transfer_volumes,
     transition_sets,
@@ -37,19 +38,6 @@ from hongtu.errors import UserError
 __all__ = ["DeviceNeeds", "plan_transfers"]
 
 _I64 = np.int64
-
-
-def _gather(vals: np.ndarray, start: np.ndarray, stop: np.ndarray,
-            dtype=None) -> tuple[np.ndarray, np.ndarray]:
-    """``(ptr, flat)``: the segments ``vals[start[q]:stop[q]]`` concatenated."""
-    start = np.ascontiguousarray(start, dtype=_I64)
-    stop = np.ascontiguousarray(stop, dtype=_I64)
-    ptr = np.zeros(start.shape[0] + 1, dtype=_I64)
-    np.cumsum(stop - start, out=ptr[1:])
-    out = np.empty(int(ptr[-1]), dtype=dtype or vals.dtype)
-    if start.shape[0]:
-        K.gather_segments(vals, start, stop, ptr, out)
-    return ptr, out
 
 
 def _lookup(q_vals, q_start, q_stop, r_vals, r_start, r_stop, r_slots, lo, hi, recv_base,
@@ -163,7 +151,7 @@ def _receive_walks(devices, order, nb_ptr, nb_ids, nb_cut, reuse, num_nodes,
         # (two segments a step: the neighbours below the own rows, those above)
         start = np.stack([nb_ptr[c], nb_cut[c, e + 1]], axis=1).ravel()
         stop = np.stack([nb_cut[c, e], nb_ptr[c + 1]], axis=1).ravel()
-        ptr, vals = _gather(nb_ids, start, stop)
+        ptr, vals = gather_segments_csr(nb_ids, start, stop)
         ptr = ptr[::2].copy()
         sizes = np.diff(ptr)
         area = int(sizes.max()) if sizes.size else 0
@@ -226,7 +214,7 @@ def _exchange(d, devices, part_ptr, walks, base, r_start, r_stop, res_slots, own
 
     # Sends: the rows of d's part entering each peer's area.
     counts, send_ptr, segments, send_slots = from_peers("load")
-    send_ids = _gather(*segments)[1]
+    send_ids = gather_segments_csr(*segments)[1]
     send_counts[:, peers] = counts
     send_to = np.repeat(np.tile(peers, num_steps), counts.ravel()).astype(np.int32)
     # Returns: the rows of d's part leaving each peer's area after the step.

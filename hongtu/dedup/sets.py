@@ -58,10 +58,7 @@ def union_sets(values: np.ndarray, gptr: np.ndarray, seg_start: np.ndarray,
     if num_groups == 0 or values.shape[0] == 0:
         return ptr, np.empty(0, dtype=values.dtype)
     if presorted and np.all(gptr[1:] - gptr[:-1] == 1):  # one set per group: a copy
-        np.cumsum(seg_stop[gptr[:-1]] - seg_start[gptr[:-1]], out=ptr[1:])
-        ids = np.empty(int(ptr[-1]), dtype=values.dtype)
-        K.gather_segments(values, seg_start[gptr[:-1]], seg_stop[gptr[:-1]], ptr, ids)
-        return ptr, ids
+        return gather_segments_csr(values, seg_start[gptr[:-1]], seg_stop[gptr[:-1]])
     if presorted:
         # (cut into pieces by value where the groups are fewer than the tasks wanted)
         pieces = _merge_pieces(values, gptr, seg_start, seg_stop)
@@ -76,6 +73,20 @@ def union_sets(values: np.ndarray, gptr: np.ndarray, seg_start: np.ndarray,
             K.merge_sorted(values, gptr, seg_start, seg_stop, ptr, ids, counts)
         return (ptr[::per].copy() if pieces is not None else ptr), ids
     return unique_union(values, gptr, seg_start, seg_stop, num_nodes, sets=True)
+
+
+
+def gather_segments_csr(vals: np.ndarray, start: np.ndarray, stop: np.ndarray,
+                        dtype=None) -> tuple[np.ndarray, np.ndarray]:
+    """``(ptr, flat)``: the segments ``vals[start[q]:stop[q]]`` concatenated, as CSR."""
+    start = np.ascontiguousarray(start, dtype=np.int64)
+    stop = np.ascontiguousarray(stop, dtype=np.int64)
+    ptr = np.zeros(start.shape[0] + 1, dtype=np.int64)
+    np.cumsum(stop - start, out=ptr[1:])
+    out = np.empty(int(ptr[-1]), dtype=dtype or vals.dtype)
+    if start.shape[0]:
+        K.gather_segments(vals, start, stop, ptr, out)
+    return ptr, out
 
 
 #: The presorted union cuts its groups into pieces of at least this many ids

@@ -32,10 +32,10 @@ from hongtu.graph._kernels import parallel_kernel
 
 if TYPE_CHECKING:
     from hongtu.dedup.plan import DeviceNeeds
-from hongtu.dedup._kernels import gather_segments
 from hongtu.dedup.sets import (
     Volumes,
     check_order,
+    gather_segments_csr,
     identity_order,
     neighbour_sets,
     transfer_volumes,
@@ -374,12 +374,7 @@ class ReorgResult:
         if rows is None:
             return ptr, ids
         rows = np.asarray(rows, dtype=np.int64)
-        start, stop = ptr[:-1][rows], ptr[1:][rows]
-        out_ptr = np.zeros(rows.shape[0] + 1, dtype=np.int64)
-        np.cumsum(stop - start, out=out_ptr[1:])
-        out = np.empty(int(out_ptr[-1]), dtype=ids.dtype)
-        gather_segments(ids, start, stop, out_ptr, out)
-        return out_ptr, out
+        return gather_segments_csr(ids, ptr[:-1][rows], ptr[1:][rows])
 
 
 def reorganize_report(indptr: np.ndarray, indices: np.ndarray, chunk_ptr: np.ndarray,

@@ -148,6 +148,17 @@ def test_training_allocates_no_more_than_the_estimate(tmp_path, layers):
         del BUILTIN_DATASETS["rmat17_budget"]
 
 
+def tf32_at_steps(tr, monkeypatch) -> list[bool]:
+    """PyTorch's TF32 flag as each of the trainer's executor steps starts."""
+    import torch
+
+    seen = []
+    step = tr.executor.step
+    monkeypatch.setattr(tr.executor, "step", lambda *a, **k: seen.append(
+        torch.backends.cuda.matmul.allow_tf32) or step(*a, **k))
+    return seen
+
+
 def test_tf32_is_a_gpu_setting_set_for_the_run_alone(tmp_path, monkeypatch):
     """engine.tf32: on a CPU a line says it has no effect and PyTorch's flag is not
     touched; on a GPU the flag is on inside the run's work and restored after."""
@@ -160,10 +171,7 @@ def test_tf32_is_a_gpu_setting_set_for_the_run_alone(tmp_path, monkeypatch):
                        "engine.tf32=true"])
     tr = Trainer(cfg, overwrite=True, out=lines.append)
     assert "engine.tf32 has no effect on cpu (TF32 is a GPU's)" in "\n".join(lines)
-    seen = []
-    step = tr.executor.step
-    monkeypatch.setattr(tr.executor, "step", lambda *a, **k: seen.append(
-        torch.backends.cuda.matmul.allow_tf32) or step(*a, **k))
+    seen = tf32_at_steps(tr, monkeypatch)
     before = torch.backends.cuda.matmul.allow_tf32
     tr.run_epoch(0)
     assert seen == [before]
@@ -187,10 +195,7 @@ def test_tf32_on_inside_a_gpu_epoch(tmp_path, monkeypatch):
                       [f"output.dir={tmp_path}", f"engine.cache_dir={tmp_path}/cache",
                        "engine.accelerator=cuda", "model.hidden=16", "engine.tf32=true"])
     tr = Trainer(cfg, overwrite=True, out=lambda s: None)
-    seen = []
-    step = tr.executor.step
-    monkeypatch.setattr(tr.executor, "step", lambda *a, **k: seen.append(
-        torch.backends.cuda.matmul.allow_tf32) or step(*a, **k))
+    seen = tf32_at_steps(tr, monkeypatch)
     before = torch.backends.cuda.matmul.allow_tf32
     tr.run_epoch(0)
     assert seen == [True] and torch.backends.cuda.matmul.allow_tf32 == before
