@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from hongtu import __version__
-from hongtu.errors import UserError
+from hongtu.errors import RANK_FAILURES, UserError, note_rank_failure
 
 __all__ = ["main"]
 
@@ -156,22 +156,30 @@ def _cmd_partition(args) -> int:
 
 def _cmd_train(args) -> int:
     from hongtu.config import load_config
+    from hongtu.engine.checkpoint import require_checkpoint
     from hongtu.engine.comm import in_distributed_launch
-    from hongtu.engine.launch import RANK_FAILURES, check_devices, launch
-    from hongtu.engine.trainer import Interrupted, Trainer
+    from hongtu.engine.launch import check_devices, launch
+    from hongtu.engine.trainer import Interrupted, Trainer, check_output_dir
 
     cfg = load_config(args.config, args.overrides)
-    if cfg.engine.devices > 1 and not in_distributed_launch():
-        check_devices(cfg.engine.accelerator, cfg.engine.devices)
-        return launch(args.argv, cfg.engine.devices)
-    rank0 = int(os.environ.get("RANK", "0")) == 0
+    # Resuming continues the results already in output.dir: nothing is replaced.
+    overwrite = args.overwrite or args.resume
     metrics = Path(args.metrics) if args.metrics else None
-    if metrics and metrics.exists() and not (args.overwrite or args.resume):
+    if metrics and metrics.exists() and not overwrite:
         raise UserError(f"metrics file '{metrics}' already exists; pass --overwrite to "
                         "replace it, --resume to append to it, or choose another file")
+    # What needs no graph is checked before the graph is loaded and planned.
+    if args.resume:
+        require_checkpoint(Path(cfg.output.dir))
+    if metrics and int(os.environ.get("RANK", "0")) == 0:
+        _check_writable(metrics)
+    if cfg.engine.devices > 1 and not in_distributed_launch():
+        check_devices(cfg.engine.accelerator, cfg.engine.devices)
+        check_output_dir(Path(cfg.output.dir), overwrite)  # (before any rank starts)
+        return launch(args.argv, cfg.engine.devices)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
     out = (lambda s: None) if args.quiet or not rank0 else print
-    # Resuming continues the results already in output.dir: nothing is replaced.
-    trainer = Trainer(cfg, overwrite=args.overwrite or args.resume, out=out)
+    trainer = Trainer(cfg, overwrite=overwrite, out=out)
     if metrics and rank0:
         metrics.parent.mkdir(parents=True, exist_ok=True)
         if not args.resume:
@@ -199,6 +207,22 @@ def _cmd_train(args) -> int:
         logging.shutdown()
         os._exit(0)
     return 0
+
+
+def _check_writable(metrics: Path) -> None:
+    """Fail before training where the metrics file cannot be written; nothing is
+    created or truncated."""
+    existed = metrics.exists()
+    try:
+        metrics.parent.mkdir(parents=True, exist_ok=True)
+        with open(metrics, "a"):
+            pass
+    except OSError as exc:
+        raise UserError(f"metrics file '{metrics}': cannot be written "
+                        f"({' '.join(str(exc).split())}); check the directory exists and is "
+                        "writable, or choose another file") from exc
+    if not existed:
+        metrics.unlink()
 
 
 def _cmd_plot(args) -> int:
@@ -304,23 +328,31 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     level = logging.WARNING if args.quiet else logging.DEBUG if args.verbose else logging.INFO
+    if int(os.environ.get("RANK", "0")) != 0 and not args.verbose:
+        level = max(level, logging.WARNING)  # one voice: rank 0 logs for all
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         return _COMMANDS[args.command](args)
     except UserError as e:
         if args.debug:
             raise
-        print(f"hongtu: error: {_rank()}{e}", file=sys.stderr)
-        return e.exit_code
+        return _error(str(e), e.exit_code)
     except Exception as e:
         line = _out_of_memory(e, args.command)
         if line is None or args.debug:
             raise
-        print(f"hongtu: error: {_rank()}{line}", file=sys.stderr)
-        return 2
+        return _error(line, 2)
     except KeyboardInterrupt:
         print("hongtu: interrupted", file=sys.stderr)
         return 130
+
+
+def _error(line: str, code: int) -> int:
+    """Print the one error line (a rank of ``hongtu train``'s launcher leaves it
+    to the launcher, which prints it once for all ranks); ``code``."""
+    if not note_rank_failure(code, line):
+        print(f"hongtu: error: {_rank()}{line}", file=sys.stderr)
+    return code
 
 
 def _rank() -> str:

@@ -262,6 +262,23 @@ def test_metrics_file_already_exists(capsys, env):
     fails(capsys, out, "metrics file", "train", CONFIG, *base, "--metrics", metrics)
 
 
+def test_metrics_file_that_cannot_be_written_fails_before_training(capsys, env, monkeypatch):
+    out, base = env
+    (out / "m").write_text("a file, where the metrics file's directory should be")
+    loaded = []
+    monkeypatch.setattr("hongtu.engine.trainer.load_data", lambda *a: loaded.append(a))
+    fails(capsys, out, "metrics file", "train", CONFIG, *base, "--metrics", out / "m" / "x.jsonl")
+    assert loaded == []  # (refused before the graph was loaded)
+
+
+def test_resume_without_checkpoint_fails_before_training(capsys, env, monkeypatch):
+    out, base = env
+    loaded = []
+    monkeypatch.setattr("hongtu.engine.trainer.load_data", lambda *a: loaded.append(a))
+    fails(capsys, out, "--resume: no checkpoint at", "train", CONFIG, *base, "--resume")
+    assert loaded == []
+
+
 def test_exit_code_seen_by_the_shell(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "hongtu", "train", CONFIG, "train.epohcs=3"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=120)

@@ -65,6 +65,15 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def require_checkpoint(outdir: Path) -> Path:
+    """The checkpoint ``--resume`` continues from; a :class:`UserError` where there is none."""
+    path = Path(outdir) / CHECKPOINT
+    if not path.is_file():
+        raise UserError(f"--resume: no checkpoint at '{path}'; train without --resume, or "
+                        "point output.dir at the run to continue")
+    return path
+
+
 def load_checkpoint(outdir: Path, model, optimizer, config: dict) -> int:
     """Restore model, optimizer and RNG from ``outdir``; returns the completed epochs.
 
@@ -72,10 +81,7 @@ def load_checkpoint(outdir: Path, model, optimizer, config: dict) -> int:
         UserError: no checkpoint, an unreadable one, or one written by a run
             whose model, data or optimisation settings differ.
     """
-    path = Path(outdir) / CHECKPOINT
-    if not path.is_file():
-        raise UserError(f"--resume: no checkpoint at '{path}'; train without --resume, or "
-                        "point output.dir at the run to continue")
+    path = require_checkpoint(outdir)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:

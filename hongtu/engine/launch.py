@@ -5,12 +5,16 @@ workers on this machine with ``torch.distributed.launcher`` (the machinery of
 ``torchrun``), each running the same command as a rank. Started under
 ``torchrun`` (any ``--nnodes``), the command finds ``RANK``/``WORLD_SIZE`` in
 its environment and simply is a rank. Either way, an error in one rank ends
-that rank with its one-line message (naming the rank); the launcher then stops
-the others, and the command exits with that rank's code.
+that rank; the launcher then stops the others, and the command exits with that
+rank's code. Under torchrun each rank prints its own one-line message (naming
+the rank); under hongtu's launcher the ranks leave it to the launcher, which
+prints each distinct message once, naming the ranks that ended by it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import socket
 import sys
@@ -19,7 +23,7 @@ import uuid
 
 import torch
 
-from hongtu.errors import UserError
+from hongtu.errors import RANK_FAILURES, UserError, note_rank_failure
 
 __all__ = ["launch", "check_devices"]
 
@@ -50,32 +54,72 @@ def _worker(argv: list[str]) -> None:
     code = main(argv)
     if code:
         # A non-zero exit makes the launcher stop the other ranks. First note
-        # that this rank ended by its own error (its message is written): the
-        # peers it leaves may abort on the closed connections, and the launcher
-        # may see one of them fail before this rank.
+        # that this rank ended by its own error (a one-line error is noted
+        # with its line, which the launcher prints): the peers it leaves may
+        # abort on the closed connections, and the launcher may see one of
+        # them fail before this rank.
         sys.stdout.flush()
         sys.stderr.flush()
-        report = os.environ.get(RANK_FAILURES)
-        if report:
-            with open(os.path.join(report, os.environ.get("RANK", "0")), "w") as f:
-                f.write(str(code))
+        folder = os.environ.get(RANK_FAILURES)
+        if folder and not os.path.exists(os.path.join(folder, os.environ.get("RANK", "0"))):
+            note_rank_failure(code)
         sys.exit(code)
 
 
-#: environment variable naming the folder where ranks note their own failures
-RANK_FAILURES = "HONGTU_RANK_FAILURES"
+def _own_failures(folder: str) -> list[tuple[int, int, str]]:
+    """``(rank, exit code, line)`` of each rank that noted its own failure in
+    ``folder``, the first noted first (``line`` empty where the rank printed
+    its own message)."""
+    notes = []
+    for name in os.listdir(folder):
+        if name.isdigit():
+            path = os.path.join(folder, name)
+            with open(path) as f:
+                code, _, line = f.read().partition("\n")
+            notes.append((os.stat(path).st_mtime_ns, int(name), int(code or 1), line))
+    return [note[1:] for note in sorted(notes)]
 
 
-def _own_failure(folder: str) -> tuple[int, int] | None:
-    """``(rank, exit code)`` of the first rank that noted its own failure in
-    ``folder``, or ``None``."""
-    notes = [(os.stat(os.path.join(folder, n)).st_mtime_ns, int(n), n)
-             for n in os.listdir(folder) if n.isdigit()]
-    if not notes:
-        return None
-    _, rank, name = min(notes)
-    with open(os.path.join(folder, name)) as f:
-        return rank, int(f.read() or 1)
+def _failure_lines(failures: list[tuple[int, int, str]]) -> list[str]:
+    """What the launcher prints for the ranks' own failures: each distinct line
+    once, naming every rank that ended by it."""
+    rank, code, line = failures[0]
+    if not line:
+        return [f"hongtu: error: rank {rank} failed (exit code {code}); the other ranks "
+                "were stopped; its message is above"]
+    lines = []
+    for text in dict.fromkeys(m for _, _, m in failures if m):
+        ranks = sorted(r for r, _, m in failures if m == text)
+        who = (f"rank {ranks[0]}" if len(ranks) == 1
+               else f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}")
+        lines.append(f"hongtu: error: {who}: {text}")
+    return lines
+
+
+class _LauncherRecords(logging.Filter):
+    """Drops torch's launcher records about a failed or stopped rank: hongtu
+    reports that itself, in one line, and the rank's own traceback (if any) is
+    already on stderr."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.name.startswith(("torch.distributed.elastic",
+                                           "torch.multiprocessing"))
+
+
+@contextlib.contextmanager
+def _launcher_quiet():
+    # torch's loggers write through the handlers of 'torch' and
+    # 'torch.distributed' (neither propagates to the root logger).
+    handlers = {h for name in ("torch", "torch.distributed")
+                for h in logging.getLogger(name).handlers}
+    quiet = _LauncherRecords()
+    for h in handlers:
+        h.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            h.removeFilter(quiet)
 
 
 def launch(argv: list[str], devices: int) -> int:
@@ -94,20 +138,21 @@ def launch(argv: list[str], devices: int) -> int:
     with tempfile.TemporaryDirectory(prefix="hongtu-ranks-") as folder:
         os.environ[RANK_FAILURES] = folder  # (the spawned ranks inherit it)
         try:
-            elastic_launch(config, _worker)(argv)
+            with _launcher_quiet():
+                elastic_launch(config, _worker)(argv)
         except ChildFailedError as e:
             # Name the rank that failed by its own error, not one of its casualties
             # (the launcher reports whichever process it saw die first).
-            own = _own_failure(folder)
-            if own is None:
+            own = _own_failures(folder)
+            if own:
+                code = own[0][1]
+                lines = _failure_lines(own)
+            else:
                 rank, failure = e.get_first_failure()
                 shown = failure.exitcode
                 code = shown if shown and shown > 0 else 1
-            else:
-                rank, code = own
-                shown = code
-            print(f"hongtu: error: rank {rank} failed (exit code {shown}); the other "
-                  "ranks were stopped; its message is above", file=sys.stderr)
+                lines = _failure_lines([(rank, shown, "")])
+            print("\n".join(lines), file=sys.stderr)
             return code
         finally:
             os.environ.pop(RANK_FAILURES, None)

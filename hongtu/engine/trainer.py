@@ -71,7 +71,7 @@ from hongtu.nn.model import GNN, build_model, describe_layers
 from hongtu.partition import assign_parts
 from hongtu.reorg import plan_batches
 
-__all__ = ["Trainer", "resolve_device", "load_data"]
+__all__ = ["Trainer", "resolve_device", "load_data", "check_output_dir"]
 
 log = logging.getLogger("hongtu")
 _RESULT_FILES = ("model.pt", CHECKPOINT)
@@ -114,6 +114,16 @@ def load_data(cfg: Config) -> Graph:
     return graph
 
 
+def check_output_dir(outdir: Path, overwrite: bool) -> None:
+    """Refuse an ``output.dir`` that holds a run's results, unless ``overwrite``."""
+    if not overwrite:
+        existing = [f for f in _RESULT_FILES if (outdir / f).exists()]
+        if existing:
+            raise UserError(f"output.dir '{outdir}' already holds a run's results "
+                            f"({', '.join(existing)}); pass --overwrite to replace them, "
+                            "or set output.dir to a new directory")
+
+
 class Trainer:
     """Out-of-core full-graph training of ``cfg``.
 
@@ -130,12 +140,7 @@ class Trainer:
         self.out = out
         self.dtype = dtype
         self.outdir = Path(cfg.output.dir)
-        if not overwrite:
-            existing = [f for f in _RESULT_FILES if (self.outdir / f).exists()]
-            if existing:
-                raise UserError(f"output.dir '{self.outdir}' already holds a run's results "
-                                f"({', '.join(existing)}); pass --overwrite to replace them, "
-                                "or set output.dir to a new directory")
+        check_output_dir(self.outdir, overwrite)
         e = cfg.engine
         self.comm = None
         if in_distributed_launch():

@@ -162,19 +162,46 @@ def test_failure_in_one_rank_ends_all_ranks(tmp_path):
     out = hongtu(tmp_path, f"output.dir={tmp_path}/run", "engine.devices=2",
                  "model.layer=tests.engine.failing_layer:FailOnRank1", timeout=180)
     assert out.returncode == 2, out.stderr[-3000:]
-    assert "hongtu: error: rank 1: injected failure for the test" in out.stderr
-    assert "rank 1 failed" in out.stderr
+    # the launcher prints the rank's line once; torch's launcher records are not shown
+    assert out.stderr.count("hongtu: error: rank 1: injected failure for the test") == 1
+    assert "Traceback" not in out.stderr and "elastic" not in out.stderr, out.stderr
     assert not (tmp_path / "run" / "model.pt").exists()
+
+
+def test_an_error_of_every_rank_is_one_line(tmp_path):
+    out = hongtu(tmp_path, f"output.dir={tmp_path}/run", "engine.devices=2",
+                 "engine.chunks=100000", timeout=180)
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if not line.startswith("INFO ")]
+    assert len(lines) == 1 and lines[0].startswith("hongtu: error: ranks 0 and 1: part "), lines
+    assert "use fewer parts" in lines[0]
+
+
+def test_existing_results_are_refused_before_any_rank_starts(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "model.pt").write_bytes(b"earlier")
+    out = hongtu(tmp_path, f"output.dir={tmp_path}/run", "engine.devices=2", timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"hongtu: error: output.dir '{tmp_path}/run' already holds a run's results "
+        "(model.pt); pass --overwrite to replace them, or set output.dir to a new directory"]
+    assert (tmp_path / "run" / "model.pt").read_bytes() == b"earlier"
 
 
 def test_the_rank_that_failed_by_itself_is_named(tmp_path):
     """Ranks that end by their own error note it; the launcher names the first
-    of them, whatever process it saw die first."""
-    from hongtu.engine.launch import _own_failure
+    of them, whatever process it saw die first, and prints each line once."""
+    from hongtu.engine.launch import _failure_lines, _own_failures
 
-    assert _own_failure(str(tmp_path)) is None
-    (tmp_path / "3").write_text("2")
-    os.utime(tmp_path / "3", ns=(1_000, 1_000))
-    (tmp_path / "1").write_text("1")
-    os.utime(tmp_path / "1", ns=(2_000, 2_000))
-    assert _own_failure(str(tmp_path)) == (3, 2)
+    assert _own_failures(str(tmp_path)) == []
+    for rank, note, t in ((3, "2\nbad input", 1_000), (1, "1\n", 2_000),
+                          (0, "2\nbad input", 3_000), (2, "2\nother", 4_000)):
+        (tmp_path / str(rank)).write_text(note)
+        os.utime(tmp_path / str(rank), ns=(t, t))
+    own = _own_failures(str(tmp_path))
+    assert own == [(3, 2, "bad input"), (1, 1, ""), (0, 2, "bad input"), (2, 2, "other")]
+    assert _failure_lines(own) == ["hongtu: error: ranks 0 and 3: bad input",
+                                   "hongtu: error: rank 2: other"]
+    assert _failure_lines(own[1:2]) == [
+        "hongtu: error: rank 1 failed (exit code 1); the other ranks were stopped; "
+        "its message is above"]
