@@ -156,7 +156,7 @@ def _cmd_partition(args) -> int:
 
 def _cmd_train(args) -> int:
     from hongtu.config import load_config
-    from hongtu.engine.checkpoint import require_checkpoint
+    from hongtu.engine.checkpoint import CHECKPOINT, require_checkpoint
     from hongtu.engine.comm import in_distributed_launch
     from hongtu.engine.launch import check_devices, launch
     from hongtu.engine.trainer import Interrupted, Trainer, check_output_dir
@@ -176,7 +176,8 @@ def _cmd_train(args) -> int:
     if cfg.engine.devices > 1 and not in_distributed_launch():
         check_devices(cfg.engine.accelerator, cfg.engine.devices)
         check_output_dir(Path(cfg.output.dir), overwrite)  # (before any rank starts)
-        return launch(args.argv, cfg.engine.devices)
+        return launch(args.argv, cfg.engine.devices,
+                      str(Path(cfg.output.dir) / CHECKPOINT), resumed=args.resume)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     out = (lambda s: None) if args.quiet or not rank0 else print
     trainer = Trainer(cfg, overwrite=overwrite, out=out)
@@ -343,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return _error(line, 2)
     except KeyboardInterrupt:
-        print("hongtu: interrupted", file=sys.stderr)
+        if not note_rank_failure(130):  # (hongtu's launcher says what stopped)
+            print("hongtu: interrupted", file=sys.stderr)
         return 130
 
 

@@ -18,7 +18,8 @@ import torch
 
 from hongtu.errors import UserError
 
-__all__ = ["CHECKPOINT", "save_checkpoint", "load_checkpoint", "atomic_torch_save"]
+__all__ = ["CHECKPOINT", "save_checkpoint", "load_checkpoint", "require_checkpoint",
+           "atomic_torch_save"]
 
 CHECKPOINT = "checkpoint.pt"
 # Keys that may differ between the run that wrote a checkpoint and the run

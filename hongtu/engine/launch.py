@@ -16,9 +16,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
 import tempfile
+import time
 import uuid
 
 import torch
@@ -48,9 +50,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _interrupt_once(signum, frame) -> None:
+    # Ctrl-C reaches the ranks from the terminal, then again from the launcher
+    # stopping them: the first ends the rank, the second must not break its exit.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def _worker(argv: list[str]) -> None:
     from hongtu.cli import main
 
+    signal.signal(signal.SIGINT, _interrupt_once)
     code = main(argv)
     if code:
         # A non-zero exit makes the launcher stop the other ranks. First note
@@ -122,8 +132,26 @@ def _launcher_quiet():
             h.removeFilter(quiet)
 
 
-def launch(argv: list[str], devices: int) -> int:
-    """Run ``hongtu <argv>`` as ``devices`` local ranks; the exit code of the run."""
+def _stopped_line(signal_name: str, checkpoint: str | None, since: float) -> str:
+    """What the launcher prints when a signal stopped it and every rank
+    (naming ``checkpoint`` if written at ``since`` or later)."""
+    line = f"hongtu: stopped by {signal_name}; every rank was stopped"
+    if checkpoint and os.path.isfile(checkpoint) and os.stat(checkpoint).st_mtime >= since:
+        line += (f"; the last checkpoint is {checkpoint}: continue from it with "
+                 "hongtu train CONFIG --resume")
+    return line
+
+
+def launch(argv: list[str], devices: int, checkpoint: str | None = None,
+           resumed: bool = False) -> int:
+    """Run ``hongtu <argv>`` as ``devices`` local ranks; the exit code of the run.
+
+    ``checkpoint`` is the run's checkpoint file, named when a signal (Ctrl-C,
+    SIGTERM) stops the launcher and its ranks, if this run wrote it (or
+    ``resumed`` from it).
+    """
+    since = 0.0 if resumed else time.time()
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -154,6 +182,11 @@ def launch(argv: list[str], devices: int) -> int:
                 lines = _failure_lines([(rank, shown, "")])
             print("\n".join(lines), file=sys.stderr)
             return code
+        except SignalException as e:
+            # (torch's launcher has stopped the ranks; in a terminal they had
+            # the signal too, and left without a word)
+            print(_stopped_line(e.sigval.name, checkpoint, since), file=sys.stderr)
+            return 128 + int(e.sigval)
         finally:
             os.environ.pop(RANK_FAILURES, None)
     return 0

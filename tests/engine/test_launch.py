@@ -188,6 +188,43 @@ def test_existing_results_are_refused_before_any_rank_starts(tmp_path):
     assert (tmp_path / "run" / "model.pt").read_bytes() == b"earlier"
 
 
+def test_ctrl_c_stops_every_rank_in_one_line(tmp_path):
+    """Ctrl-C in a terminal signals the launcher and its ranks (one process group)."""
+    run = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "hongtu", "train", CFG, *BASE,
+                          f"engine.cache_dir={tmp_path}/cache", f"output.dir={run}",
+                          "engine.devices=2", "train.epochs=100000",
+                          "output.checkpoint_every=1"],
+                         cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "checkpoint.pt").exists() and p.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.killpg(p.pid, signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 130, err[-3000:]
+    lines = [line for line in err.splitlines() if not line.startswith("INFO ")]
+    assert lines == [f"hongtu: stopped by SIGINT; every rank was stopped; the last checkpoint "
+                     f"is {run}/checkpoint.pt: continue from it with hongtu train CONFIG "
+                     "--resume"], err[-3000:]
+
+
+def test_a_checkpoint_of_an_earlier_run_is_not_named(tmp_path):
+    from hongtu.engine.launch import _stopped_line
+
+    ckpt = tmp_path / "checkpoint.pt"
+    ckpt.write_bytes(b"earlier")
+    os.utime(ckpt, (1_000, 1_000))
+    assert _stopped_line("SIGTERM", str(ckpt), 2_000) == (
+        "hongtu: stopped by SIGTERM; every rank was stopped")
+    assert str(ckpt) in _stopped_line("SIGTERM", str(ckpt), 0.0)  # (resumed from it)
+
+
 def test_the_rank_that_failed_by_itself_is_named(tmp_path):
     """Ranks that end by their own error note it; the launcher names the first
     of them, whatever process it saw die first, and prints each line once."""
