@@ -203,7 +203,7 @@ def test_ctrl_c_stops_every_rank_in_one_line(tmp_path):
                 and time.monotonic() < deadline:
             time.sleep(0.2)
         os.killpg(p.pid, signal.SIGINT)
-        out, err = p.communicate(timeout=60)
+        _, err = p.communicate(timeout=60)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
