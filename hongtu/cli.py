@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if not note_rank_failure(130):  # (hongtu's launcher says what stopped)
             print("hongtu: interrupted", file=sys.stderr)
-        return 130
+        return _end_rank(130)
 
 
 def _error(line: str, code: int) -> int:
@@ -354,6 +354,19 @@ def _error(line: str, code: int) -> int:
     to the launcher, which prints it once for all ranks); ``code``."""
     if not note_rank_failure(code, line):
         print(f"hongtu: error: {_rank()}{line}", file=sys.stderr)
+    return _end_rank(code)
+
+
+def _end_rank(code: int) -> int:
+    """``code``; a rank of several processes exits with it at once, without the
+    interpreter's teardown, where NCCL's process group would add a warning of
+    its own ("destroy_process_group() was not called before program exit") to
+    the one line."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
     return code
 
 
