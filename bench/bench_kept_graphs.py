@@ -20,14 +20,16 @@ alone, this measures per vertex:
 On a CPU the executor is made resident as the tests make it
 (``tests/engine/test_oracle.py``'s ``_as_resident``). Run::
 
-    python bench/bench_kept_graphs.py [--device cuda]
+    python bench/bench_kept_graphs.py [--device cuda] [--sites] [--models gin2,sage3]
 
-Prints one line per case and writes ``bench/results/kept_graphs_<device>.json``.
+Prints one line per case and writes ``bench/results/kept_graphs_<device>.json``
+(``kept_graphs_sites_<device>.json`` with ``--sites``).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 from pathlib import Path
 
@@ -81,7 +83,37 @@ def held_bytes(roots, params) -> int:
     return total
 
 
-def measure(graph, layer: str, layers: int, dev: torch.device, only: int | None) -> dict:
+def _site(frames: list[dict]) -> str:
+    """An allocation's site: the innermost hongtu frame of its Python stack
+    (``file:line function``), after the innermost Python frame where that is
+    elsewhere (torch's)."""
+    def where(f):
+        name = f.get("filename", "")
+        return f"{name.split('/site-packages/')[-1].split('/hongtu/')[-1]}:{f.get('line')} " \
+            f"{f.get('name')}"
+    frames = [f for f in frames if f.get("filename", "").endswith(".py")]
+    for f in frames:
+        if "/hongtu/" in f.get("filename", ""):
+            inner = "" if f is frames[0] else f"{where(frames[0])} < "
+            return inner + where(f)
+    return "(outside hongtu)"
+
+
+def live_sites(n: int, top: int = 12) -> list[tuple[str, float]]:
+    """Bytes per vertex of the live allocations recorded since the memory
+    history was switched on, by allocation site, the largest first."""
+    snap = torch.cuda.memory._snapshot()
+    by: dict[str, int] = {}
+    for seg in snap["segments"]:
+        for b in seg["blocks"]:
+            if b.get("state") == "active_allocated" and b.get("frames"):
+                key = _site(b["frames"])
+                by[key] = by.get(key, 0) + b["size"]
+    return [(k, v / n) for k, v in sorted(by.items(), key=lambda kv: -kv[1])[:top]]
+
+
+def measure(graph, layer: str, layers: int, dev: torch.device, only: int | None,
+            sites: bool = False) -> dict:
     torch.manual_seed(0)
     cls = resolve_layer(layer)
     widths = [graph.num_features] + [256] * (layers - 1) + [graph.num_classes]
@@ -117,8 +149,11 @@ def measure(graph, layer: str, layers: int, dev: torch.device, only: int | None)
             return out
 
         ex._keep_update = counted
+        gc.collect()  # (nothing of an earlier case may be freed inside this one)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
+        if sites:  # (only what the forward pass allocates carries a stack)
+            torch.cuda.memory._record_memory_history(stacks="python")
     ex.forward(3, train=True)
     kept = ex.kept_graphs
     n = g.num_nodes
@@ -136,7 +171,12 @@ def measure(graph, layer: str, layers: int, dev: torch.device, only: int | None)
         torch.cuda.synchronize()
         rec["allocated_per_vertex"] = (torch.cuda.memory_allocated() - before) / n
         rec["updates_allocated_per_vertex"] = {l: v / n for l, v in sorted(per_update.items())}
+        if sites:
+            rec["live_sites_per_vertex"] = live_sites(n)
+            torch.cuda.memory._record_memory_history(enabled=None)
+    ex.__dict__.pop("_keep_update", None)  # (counted -> ex -> counted: a cycle)
     del ex, buf
+    gc.collect()
     if cuda:
         torch.cuda.empty_cache()
     return rec
@@ -145,13 +185,18 @@ def measure(graph, layer: str, layers: int, dev: torch.device, only: int | None)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--sites", action="store_true",
+                    help="on a GPU, list what the forward pass leaves allocated by "
+                         "allocation site (its innermost hongtu line)")
+    ap.add_argument("--models", default="gin2,gin3,sage2,sage3",
+                    help="layer and layer count of each model, comma-separated")
     args = ap.parse_args()
     dev = torch.device(args.device)
     graph = add_self_loops(rmat_graph(15, 8, num_features=128, num_classes=16, seed=1))
     records = []
-    for layer, layers in [("gin", 2), ("gin", 3), ("sage", 2), ("sage", 3)]:
+    for layer, layers in [(m[:-1], int(m[-1])) for m in args.models.split(",")]:
         for only in [None, *range(layers)]:
-            rec = measure(graph, layer, layers, dev, only)
+            rec = measure(graph, layer, layers, dev, only, args.sites)
             records.append(rec)
             line = f"{layer} {layers} layers, kept {rec['kept']}: estimate " \
                 f"{rec['estimate_all_per_vertex']:.0f} B/vertex"
@@ -162,8 +207,10 @@ def main() -> None:
                 f"L{l} {rec['held_per_vertex'][l]:.0f}/{rec['estimate_per_vertex'][l]:.0f}"
                 for l in rec["kept"])
             print(line, flush=True)
+            for site, b in rec.get("live_sites_per_vertex", []):
+                print(f"    {b:8.0f} B/vertex  {site}")
     name = device_name() if dev.type == "cuda" else "cpu"
-    out = Path(RESULTS) / f"kept_graphs_{file_tag(name)}.json"
+    out = Path(RESULTS) / f"kept_graphs_{'sites_' if args.sites else ''}{file_tag(name)}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"device": name, "torch": torch.__version__, "graph":
                                "R-MAT 2^15 + self-loops, 128 features, 16 classes",
