@@ -48,7 +48,7 @@ def run(args, devices: int, system: str, work: Path) -> dict:
            f"engine.device_memory={args.budget}", "engine.partitioner=range",
            f"engine.accelerator={args.accelerator}",
            f"engine.cache_dir={work}/cache", f"output.dir={out}", "--overwrite",
-           "--metrics", str(out / "m.jsonl"), *SYSTEMS[system]]
+           "--metrics", str(out / "m.jsonl"), *SYSTEMS[system], *args.set]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         return {"status": "failed", "stderr": p.stderr[-1500:]}
@@ -61,6 +61,7 @@ def run(args, devices: int, system: str, work: Path) -> dict:
     last = steady[-1]
     return {"status": "ok", "chunks": int(shape[2]) if shape else None,
             "resident": "device buffers (resident" in p.stdout,
+            "blocks_copied": "chunk blocks: copied" in p.stdout,
             "plan_s": float(planned[1]) if planned else None,
             "plan_waits_s": float(planned[2]) if planned and planned[2] else None,
             "epoch_s": [r["epoch_s"] for r in recs],
@@ -83,6 +84,8 @@ def main() -> int:
     ap.add_argument("--tag", default="", help="prefix of the JSON's name (TAG_multigpu_...)")
     ap.add_argument("--accelerator", default="cuda")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="config overrides for every run (e.g. engine.chunks=12)")
     ap.add_argument("--deadline", type=float, default=1e9,
                     help="seconds after which the remaining configurations are skipped")
     args = ap.parse_args()
@@ -123,6 +126,7 @@ def main() -> int:
     name = torch.cuda.get_device_name(0) if have else "cpu"
     doc = {"device": name, "gpus": have, "topology": topo, "scale": args.scale,
            "layers": args.layers, "hidden": args.hidden, "budget_per_gpu": args.budget,
+           "overrides": args.set,
            "results": results}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -335,6 +335,7 @@ class Trainer:
         # (The blocks stay on the device in what the plan and its kept rows leave.) What
         # the budget still leaves may let a layer's rows move whole.
         left, self.blocks_fit = leftover_bytes(self.room, self.estimate, blocks)
+        self.block_bytes = blocks
         left = None if self.resident or not e.whole_layers else left
         stage = dplan.max_later_load if e.overlap else 0  # staging rows of the row memory
         plan_rows = row_memory(dplan.buffer_rows, widths, stage)
@@ -405,6 +406,10 @@ class Trainer:
         split["executor_s"] = time.perf_counter() - t
         self.chunks = self.executor.chunks  # (on a GPU without the int64 host blocks)
         ex, rows = self.executor, []
+        if self.device.type == "cuda" and not self.blocks_fit:
+            rows.append(f"chunk blocks: copied to the device batch by batch (all of them, "
+                        f"{format_size(self.block_bytes)}, do not fit beside the estimated "
+                        f"{format_size(self.estimate)} within the budget)")
         if ex.whole_layers:
             rows.append("layers moving all their rows per pass (engine.whole_layers): "
                         + ", ".join(map(str, ex.whole_layers)))
@@ -517,7 +522,9 @@ class Trainer:
         tp = self.transfer_plan
         n = max(tp.num_nodes, 1)
         where = ("device buffers (resident: everything fits the budget, nothing crosses the "
-                 "host link)" if self.resident else "host buffers")
+                 "host link)" if self.resident and self.blocks_fit else
+                 "device buffers (resident: the buffers fit the budget; only the chunk blocks "
+                 "cross the host link)" if self.resident else "host buffers")
         transfers = (f"transfers per layer pass (rows / |V|): V_ori {tp.v_ori / n:.3f}, "
                      f"V_+p2p {tp.v_p2p / n:.3f}, V_+ru {tp.v_ru / n:.3f}; this plan loads "
                      f"{self.loaded_rows / n:.3f} (reuse={tp.reuse}, p2p={tp.p2p}, "
