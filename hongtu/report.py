@@ -328,7 +328,7 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
     need, first, widths = need_of(plan.plans), plan.plans[0], ctx["model"].row_widths()
     most = int(sizes.num_dst.max())
     # (as training decides: rows written in first-load order where their index arrays fit)
-    blocks = resident_block_bytes(sizes, ctx["itemsize"])
+    blocks = resident_block_bytes(sizes, ctx["itemsize"], m if ctx["devices"] > 1 else 1)
     spare = leftover_bytes(ctx["budget"], need, blocks)[0]
     index_bytes = ordered_rows_room(first, once, e.ordered_rows and ctx["overlapped"], spare,
                                     most, most * slot_widths(ctx["model"])["grad"]

@@ -421,10 +421,13 @@ def check_device_budget(budget: int, free: int, total: int, device: str) -> None
                         "free memory)")
 
 
-def resident_block_bytes(sizes: ChunkSizes, itemsize: int = 4) -> int:
-    """Device bytes of every chunk's block kept resident, with its cached edge data."""
+def resident_block_bytes(sizes: ChunkSizes, itemsize: int = 4, parts: int = 1) -> int:
+    """Device bytes of the chunk blocks one process keeps resident, with their
+    cached edge data: every chunk's, or with ``parts`` processes (one part
+    each; the chunks part by part) the largest part's."""
     e, src, dst = sizes.num_edges, sizes.num_src, sizes.num_dst
-    return int((e * (3 * 8 + itemsize + 8) + (src + dst) * (8 + itemsize) + src * 8).sum())
+    each = e * (3 * 8 + itemsize + 8) + (src + dst) * (8 + itemsize) + src * 8
+    return int(each.reshape(parts, -1).sum(axis=1).max())
 
 
 def spare_rows(room: int | None, need: int, row_width: int, itemsize: int = 4) -> int:

@@ -321,7 +321,7 @@ class Trainer:
                     del other
         del chunkings
         self.loaded_rows = total(self.transfer_plan.h2d_rows)[0]  # (per pass, every process)
-        blocks = resident_block_bytes(sizes, itemsize)
+        blocks = resident_block_bytes(sizes, itemsize, parts if world > 1 else 1)
         self.plan_s = time.perf_counter() - t_plan
         self.estimate = estimate(self.transfer_plan.plans[rank], sizes)
         dplan, widths = self.transfer_plan.plans[rank], self.model.row_widths()

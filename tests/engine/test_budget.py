@@ -23,6 +23,7 @@ from hongtu.engine.budget import (
     more_chunks,
     more_chunks_text,
     plan_loads,
+    resident_block_bytes,
     row_memory,
     slot_widths,
     spare_rows,
@@ -593,3 +594,15 @@ def test_kept_graph_bytes_count_what_autograd_keeps(device, layer, dropout, acti
             assert count - held - copy in (0, 2 * 4), (l, count, held)
         else:
             assert held <= count, (l, count, held)
+
+
+def test_resident_blocks_of_one_process_of_several():
+    """With one process per part a process keeps its own part's blocks: the
+    largest part's bytes, not every part's (chunks part by part)."""
+    sizes = ChunkSizes(num_src=np.array([5, 6, 7, 8]), num_dst=np.array([2, 2, 3, 3]),
+                       num_edges=np.array([10, 20, 30, 40]))
+    each = [e * (3 * 8 + 4 + 8) + (s + d) * (8 + 4) + s * 8
+            for s, d, e in zip([5, 6, 7, 8], [2, 2, 3, 3], [10, 20, 30, 40])]
+    assert resident_block_bytes(sizes, 4) == sum(each)
+    assert resident_block_bytes(sizes, 4, parts=2) == each[2] + each[3]
+    assert resident_block_bytes(sizes, 4, parts=4) == max(each)
