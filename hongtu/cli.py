@@ -111,6 +111,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="also write partition.npz and plan.npz to the directory DIR")
     p.add_argument("--parts-list", metavar="2,4,...",
                    help="part counts of the α table (default 2,4,...,512)")
+    p.add_argument("--alpha-seconds", metavar="S", default=None,
+                   help="start no further part count of the α table once it has taken S "
+                        "seconds (default 120; 0: every count; METIS on a large graph "
+                        "takes minutes per count, cached for the next report)")
     p.add_argument("--chunks-list", metavar="4,8,...",
                    help="chunk counts to compare (default: n and about n/4, n/2, 2n, 4n)")
     p.add_argument("--overwrite", action="store_true",
@@ -210,6 +214,18 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _seconds(text: str, option: str) -> float:
+    """A number of seconds, 0 or more, given to ``option``."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise UserError(f"{option} '{text}': give a number of seconds, 0 or more (0: no "
+                        "limit), e.g. 300")
+    return value
+
+
 def _check_writable(metrics: Path) -> None:
     """Fail before training where the metrics file cannot be written; nothing is
     created or truncated."""
@@ -277,7 +293,9 @@ def _cmd_report(args) -> int:
         check_output(Path(args.plot), args.overwrite, FORMATS, "plot")
     if args.dump_plan:
         check_dump_dir(Path(args.dump_plan), args.overwrite)
-    rep = build_report(cfg, parts_list, chunks_list)
+    limit = {} if args.alpha_seconds is None else {
+        "alpha_seconds": _seconds(args.alpha_seconds, "--alpha-seconds")}
+    rep = build_report(cfg, parts_list, chunks_list, **limit)
     print(json.dumps(rep.data, indent=2) if args.json else format_report(rep.data))
     done = []
     if args.plot:

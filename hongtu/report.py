@@ -39,11 +39,14 @@ from hongtu.reorg import cost, reorganize_report
 if TYPE_CHECKING:
     from hongtu.engine.budget import ChunkSizes
 
-__all__ = ["FASTEST_MARGIN", "PARTS_LIST", "Report", "build_report", "dump_plan",
+__all__ = ["ALPHA_SECONDS", "FASTEST_MARGIN", "PARTS_LIST", "Report", "build_report", "dump_plan",
            "fastest_count", "format_report", "parse_counts", "plot_report"]
 
 #: Part counts of the replication table (HongTu Table 3).
 PARTS_LIST = (2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+#: the α table starts no further part count once it has taken this long (s)
+ALPHA_SECONDS = 120.0
 _CPU_CHUNKS = 8
 #: chunk counts whose lower bounds are this close count as equally fast
 FASTEST_MARGIN = 0.02
@@ -76,15 +79,23 @@ def parse_counts(text: str | None, what: str) -> list[int] | None:
 
 # ----------------------------------------------------------------- analysis
 def _replication(graph: Graph, method: str, seed: int, cache_dir: str,
-                 counts: list[int]) -> tuple[list[dict], list[int], dict | None]:
+                 counts: list[int], seconds: float | None = None
+                 ) -> tuple[list[dict], list[int], dict | None]:
     """α and cut fraction of ``method`` for each part count (level 1 only, cached);
-    the counts skipped; where METIS failed (``{"parts", "message"}``), the table
-    stops there (more parts take more of its memory), else ``None``."""
+    the counts skipped; where the table stops early, why, else ``None``: METIS
+    failed (``{"parts", "message"}``; more parts take more of its memory), or
+    the counts so far took ``seconds`` or more (``{"parts", "seconds"}``; the
+    next count is not started: each cached count makes the next report's
+    table reach further)."""
     rows, skipped = [], []
+    start = time.perf_counter()
     for m in counts:
         if m > graph.num_nodes // 2:
             skipped.append(m)
             continue
+        spent = time.perf_counter() - start
+        if rows and seconds and spent >= seconds:
+            return rows, skipped, {"parts": m, "seconds": spent}
         t0 = time.perf_counter()
         try:
             assignment, hit = assign_parts(graph, m, method=method, seed=seed,
@@ -516,13 +527,16 @@ def _kept_graphs(cfg: Config, graph: Graph, assignment: np.ndarray, m: int, mode
 
 
 def build_report(cfg: Config, parts_list: list[int] | None = None,
-                 chunks_list: list[int] | None = None) -> Report:
+                 chunks_list: list[int] | None = None,
+                 alpha_seconds: float | None = ALPHA_SECONDS) -> Report:
     """Compute the report of ``cfg`` (see the module docstring).
 
     Args:
         cfg: the run's configuration.
         parts_list: part counts of the α table (default :data:`PARTS_LIST`).
         chunks_list: chunk counts to compare (default ``n`` and its neighbours).
+        alpha_seconds: no further part count of the α table is started once
+            the table has taken this long (``None`` or 0: every count).
     """
     import torch
 
@@ -598,7 +612,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     t0 = time.perf_counter()
     alpha, skipped, failed = _replication(
         graph, e.partitioner, cfg.train.seed, e.cache_dir,
-        list(PARTS_LIST if parts_list is None else parts_list))
+        list(PARTS_LIST if parts_list is None else parts_list), alpha_seconds)
     t["replication_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -836,9 +850,13 @@ def _alpha_section(d: dict) -> list[str]:
         lines.append(f"  skipped {', '.join(map(str, d['replication_skipped']))} parts: more "
                      f"than |V|/2 = {d['graph']['num_nodes'] // 2:,}")
     failed = d["replication_failed"]
-    if failed:
+    if failed and "message" in failed:
         lines.append(f"  stopped at {failed['parts']} parts (--parts-list sets the counts): "
                      f"{failed['message']}")
+    elif failed:
+        lines.append(f"  stopped before {failed['parts']} parts: the counts before took "
+                     f"{failed['seconds']:.0f} s (--alpha-seconds; each count is cached, so the "
+                     "next report goes further, or --parts-list chooses the counts)")
     return lines
 
 

@@ -176,6 +176,37 @@ def test_alpha_table_stops_where_metis_fails(capsys, tmp_path, monkeypatch):
     assert err.count("\n") == 1, err
 
 
+def test_alpha_table_starts_no_count_past_its_time(capsys, tmp_path, monkeypatch):
+    """Past --alpha-seconds no further part count is started (each took one
+    simulated minute here); the counts done are cached, so the next report
+    goes further."""
+    import hongtu.report as report
+
+    now = [0.0]
+    real = report.assign_parts
+
+    def assign_parts(*args, **kwargs):
+        now[0] += 60.0
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(report, "assign_parts", assign_parts)
+    monkeypatch.setattr(report.time, "perf_counter", lambda: now[0])
+    args = [*base(tmp_path, "engine.partitioner=metis"), "--parts-list", "2,4,8,16"]
+    rc, out, err = run(capsys, "report", CONFIG, *args, "--json", "--alpha-seconds", "100")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert [r["parts"] for r in d["replication"]] == [2, 4]
+    assert d["replication_failed"]["parts"] == 8 and d["replication_failed"]["seconds"] >= 100
+    assert not any(r["cached"] for r in d["replication"])
+    rc, out, err = run(capsys, "report", CONFIG, *args, "--alpha-seconds", "100")
+    assert rc == 0 and "  stopped before 8 parts: the counts before took" in out, err
+    rc, out, err = run(capsys, "report", CONFIG, *args, "--json", "--alpha-seconds", "0")
+    d = json.loads(out)
+    assert [r["parts"] for r in d["replication"]] == [2, 4, 8, 16]
+    assert [r["cached"] for r in d["replication"]] == [True, True, False, False]
+    assert d["replication_failed"] is None
+
+
 @pytest.mark.parametrize("extra", [
     [],
     ["model.layer=sage", "model.layers=3", "engine.dedup.reuse=false"],
@@ -544,6 +575,8 @@ def test_dump_plan_round_trips(capsys, tmp_path, report_json):
 @pytest.mark.parametrize("args,phrase", [
     (["--parts-list", "2,x"], "--parts-list '2,x'"),
     (["--chunks-list", "0"], "--chunks-list '0'"),
+    (["--alpha-seconds", "-1"], "--alpha-seconds '-1'"),
+    (["--alpha-seconds", "soon"], "--alpha-seconds 'soon'"),
     (["engine.chunks=2000"], "engine.chunks=2000"),
 ])
 def test_report_user_errors_are_one_line(capsys, tmp_path, args, phrase):
