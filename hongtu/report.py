@@ -737,7 +737,9 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         "throughput": {k: v / 1e9 for k, v in tp.items() if k != "source"}
                       | {"source": tp["source"]},
         "replication": alpha, "replication_skipped": skipped,
-        "replication_failed": failed,
+        # (where the table stopped early: METIS failed, or --alpha-seconds passed)
+        "replication_failed": failed if failed and "message" in failed else None,
+        "replication_stopped": failed if failed and "seconds" in failed else None,
         "volumes": {"candidates": cands, "chosen": main.order_name, "without_reorg": "identity",
                     "with_reorg": min(cands, key=lambda k: cands[k]["cost_s"]),
                     "plan": {k: int(v) for k, v in main.plan.volumes().items()
@@ -849,14 +851,14 @@ def _alpha_section(d: dict) -> list[str]:
     if d["replication_skipped"]:
         lines.append(f"  skipped {', '.join(map(str, d['replication_skipped']))} parts: more "
                      f"than |V|/2 = {d['graph']['num_nodes'] // 2:,}")
-    failed = d["replication_failed"]
-    if failed and "message" in failed:
+    failed, stopped = d["replication_failed"], d.get("replication_stopped")
+    if failed:
         lines.append(f"  stopped at {failed['parts']} parts (--parts-list sets the counts): "
                      f"{failed['message']}")
-    elif failed:
-        lines.append(f"  stopped before {failed['parts']} parts: the counts before took "
-                     f"{failed['seconds']:.0f} s (--alpha-seconds; each count is cached, so the "
-                     "next report goes further, or --parts-list chooses the counts)")
+    if stopped:
+        lines.append(f"  stopped before {stopped['parts']} parts: the counts before took "
+                     f"{stopped['seconds']:.0f} s (--alpha-seconds; each count is cached, so "
+                     "the next report goes further, or --parts-list chooses the counts)")
     return lines
 
 

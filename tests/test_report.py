@@ -196,7 +196,8 @@ def test_alpha_table_starts_no_count_past_its_time(capsys, tmp_path, monkeypatch
     assert rc == 0, err
     d = json.loads(out)
     assert [r["parts"] for r in d["replication"]] == [2, 4]
-    assert d["replication_failed"]["parts"] == 8 and d["replication_failed"]["seconds"] >= 100
+    assert d["replication_stopped"]["parts"] == 8 and d["replication_stopped"]["seconds"] >= 100
+    assert d["replication_failed"] is None
     assert not any(r["cached"] for r in d["replication"])
     rc, out, err = run(capsys, "report", CONFIG, *args, "--alpha-seconds", "100")
     assert rc == 0 and "  stopped before 8 parts: the counts before took" in out, err
@@ -204,7 +205,7 @@ def test_alpha_table_starts_no_count_past_its_time(capsys, tmp_path, monkeypatch
     d = json.loads(out)
     assert [r["parts"] for r in d["replication"]] == [2, 4, 8, 16]
     assert [r["cached"] for r in d["replication"]] == [True, True, False, False]
-    assert d["replication_failed"] is None
+    assert d["replication_stopped"] is None
 
 
 @pytest.mark.parametrize("extra", [
