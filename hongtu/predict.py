@@ -102,6 +102,20 @@ def check_checkpoint_config(stored: dict, cfg: Config, where: str) -> None:
                         "model was trained with")
 
 
+def one_process(cfg: Config) -> Config:
+    """``cfg`` for one process on one device: a model trained on several devices
+    predicts on one (``engine.devices=1``, its parts and chunks chosen for that
+    device: ``auto``; the predictions do not depend on them)."""
+    from hongtu.engine.comm import in_distributed_launch
+
+    e = cfg.engine
+    if e.devices == 1 or in_distributed_launch():
+        return cfg
+    log.info("engine.devices=%d: predicting in one process on one device", e.devices)
+    return dataclasses.replace(cfg, engine=dataclasses.replace(
+        e, devices=1, parts="auto", chunks="auto"))
+
+
 def predict(cfg: Config, checkpoint: str | Path, embeddings: bool = False,
             out: Callable[[str], None] | None = None) -> tuple[np.ndarray, dict]:
     """Predictions (or last-hidden-layer embeddings) of a trained model, in original ids.
@@ -132,6 +146,7 @@ def predict(cfg: Config, checkpoint: str | Path, embeddings: bool = False,
         # h^{L-1} itself must be kept, not the last layer's weight applied to it.
         cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine,
                                                                   transform_first=False))
+    cfg = one_process(cfg)
     # overwrite=True: output.dir holds the checkpoint itself, and nothing is written there.
     trainer = Trainer(cfg, overwrite=True, out=out or log.debug)
     perm = ckpt.get("perm")

@@ -207,6 +207,18 @@ def test_predict_accuracy_matches_the_last_training_epoch(trained, capsys, tmp_p
     assert f"test {last['test_acc']:.4f}" in text
 
 
+def test_a_config_of_several_devices_predicts_in_one_process(trained, capsys, tmp_path):
+    """The config a model trained on several GPUs with predicts on one device,
+    whatever its parts and chunks: the same predictions."""
+    _, overrides = trained
+    rc, _, err = run(capsys, "predict", CONFIG, *overrides, "-o", tmp_path / "one.npy")
+    assert rc == 0, err
+    rc, _, err = run(capsys, "predict", CONFIG, *overrides, "engine.devices=2",
+                     "engine.chunks=3", "-o", tmp_path / "two.npy")
+    assert rc == 0, err
+    np.testing.assert_array_equal(np.load(tmp_path / "one.npy"), np.load(tmp_path / "two.npy"))
+
+
 # ---------------------------------------------------------------- PyG input
 def _tiny_arrays(n: int = 8) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
