@@ -201,6 +201,9 @@ def _cmd_train(args) -> int:
         r = records[-1]
         out(f"done: epoch {r['epoch'] + 1}, final test accuracy {r['test_acc']:.4f}; "
             f"model saved to {trainer.outdir / 'model.pt'}")
+    elif not records and args.resume:
+        out(f"nothing to train: the checkpoint has {trainer.start_epoch} epoch(s) done and "
+            f"train.epochs is {cfg.train.epochs}; raise train.epochs to train further")
     if in_distributed_launch() and not os.environ.get(RANK_FAILURES):
         # A rank of torchrun's own (hongtu's launcher takes its workers' return
         # values) leaves now that its files are closed and the group is gone:

@@ -557,6 +557,7 @@ class Trainer:
         self.outdir.mkdir(parents=True, exist_ok=True)
         start = load_checkpoint(self.outdir, self.model, self.optimizer,
                                 cfg.to_dict()) if resume else 0
+        self.start_epoch = start  # (epochs the checkpoint had done)
         if resume:
             self.out(f"resuming after epoch {start} from {self.outdir / CHECKPOINT}")
         records = []
@@ -582,8 +583,9 @@ class Trainer:
                                       "hongtu train CONFIG --resume")
                 if every and done % every == 0 and done < cfg.train.epochs:
                     self._checkpoint(done)
-        self._checkpoint(cfg.train.epochs)
-        self.save()
+        if records:  # (a resumed run with its epochs done already rewrites nothing)
+            self._checkpoint(cfg.train.epochs)
+            self.save()
         return records
 
     def _checkpoint(self, epochs_done: int) -> None:

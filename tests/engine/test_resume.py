@@ -52,6 +52,18 @@ def test_resume_refuses_a_changed_model(tmp_path, capsys):
     assert "model.hidden=16" in err and "--resume" in err and err.count("\n") == 1
 
 
+def test_resume_with_its_epochs_done_rewrites_nothing(tmp_path, capsys):
+    assert run(tmp_path, "train.epochs=3") == 0
+    files = {f: (tmp_path / f).read_bytes() for f in ("checkpoint.pt", "model.pt")}
+    for epochs in (3, 2):  # (2: the checkpoint kept saying 3 epochs were done)
+        capsys.readouterr()
+        assert main(["train", CFG, f"output.dir={tmp_path}", f"engine.cache_dir={tmp_path}/cache",
+                     *BASE, f"train.epochs={epochs}", "--resume"]) == 0
+        assert ("nothing to train: the checkpoint has 3 epoch(s) done and train.epochs is "
+                f"{epochs}") in capsys.readouterr().out
+        assert {f: (tmp_path / f).read_bytes() for f in files} == files
+
+
 def test_resume_without_checkpoint(tmp_path, capsys):
     assert run(tmp_path, "train.epochs=1", "--resume") == 2
     assert "no checkpoint" in capsys.readouterr().err
