@@ -175,8 +175,10 @@ def _cmd_train(args) -> int:
     # What needs no graph is checked before the graph is loaded and planned.
     if args.resume:
         require_checkpoint(Path(cfg.output.dir))
-    if metrics and int(os.environ.get("RANK", "0")) == 0:
-        _check_writable(metrics)
+    if int(os.environ.get("RANK", "0")) == 0:
+        _check_can_create(Path(cfg.output.dir))
+        if metrics:
+            _check_writable(metrics)
     if cfg.engine.devices > 1 and not in_distributed_launch():
         check_devices(cfg.engine.accelerator, cfg.engine.devices)
         check_output_dir(Path(cfg.output.dir), overwrite)  # (before any rank starts)
@@ -227,6 +229,29 @@ def _seconds(text: str, option: str) -> float:
         raise UserError(f"{option} '{text}': give a number of seconds, 0 or more (0: no "
                         "limit), e.g. 300")
     return value
+
+
+def _check_can_create(outdir: Path) -> None:
+    """Fail before training where ``output.dir`` is a file or cannot be created;
+    nothing is left behind."""
+    if outdir.exists():
+        if not outdir.is_dir():
+            raise UserError(f"output.dir '{outdir}' is a file, not a directory; set "
+                            "output.dir to a directory (it is created if missing)")
+        return
+    top = outdir  # the outermost directory the probe creates
+    while not top.parent.exists() and top.parent != top:
+        top = top.parent
+    try:
+        outdir.mkdir(parents=True)
+    except OSError as exc:
+        raise UserError(f"output.dir '{outdir}': cannot be created "
+                        f"({' '.join(str(exc).split())}); check the path and its "
+                        "permissions, or set output.dir elsewhere") from exc
+    for d in [outdir, *outdir.parents]:  # (empty: made just now)
+        d.rmdir()
+        if d == top:
+            break
 
 
 def _check_writable(metrics: Path) -> None:

@@ -271,6 +271,24 @@ def test_metrics_file_that_cannot_be_written_fails_before_training(capsys, env, 
     assert loaded == []  # (refused before the graph was loaded)
 
 
+@pytest.mark.parametrize("where,phrase", [("out/notes.txt", "is a file, not a directory"),
+                                           ("out/notes.txt/run", "cannot be created")])
+def test_output_dir_that_cannot_be_made_fails_before_training(capsys, tmp_path, env, monkeypatch,
+                                                              where, phrase):
+    out, base = env
+    loaded = []
+    monkeypatch.setattr("hongtu.engine.trainer.load_data", lambda *a: loaded.append(a))
+    fails(capsys, out, phrase, "train", CONFIG, *base, f"output.dir={tmp_path / where}")
+    assert loaded == []
+
+
+def test_a_new_output_dir_is_not_left_behind_by_a_failing_run(capsys, tmp_path, env):
+    out, base = env
+    fails(capsys, out, "engine.chunks", "train", CONFIG, *base, "engine.chunks=100000",
+          f"output.dir={out / 'a' / 'b'}")
+    assert not (out / "a").exists()
+
+
 def test_resume_without_checkpoint_fails_before_training(capsys, env, monkeypatch):
     out, base = env
     loaded = []
