@@ -232,42 +232,38 @@ def _seconds(text: str, option: str) -> float:
 
 
 def _check_can_create(outdir: Path) -> None:
-    """Fail before training where ``output.dir`` is a file or cannot be created;
+    """Fail before training where ``output.dir`` is a file or cannot be written;
     nothing is left behind."""
-    if outdir.exists():
-        if not outdir.is_dir():
-            raise UserError(f"output.dir '{outdir}' is a file, not a directory; set "
-                            "output.dir to a directory (it is created if missing)")
-        return
-    top = outdir  # the outermost directory the probe creates
-    while not top.parent.exists() and top.parent != top:
-        top = top.parent
+    from hongtu.plot import probe_directory
+
+    if outdir.exists() and not outdir.is_dir():
+        raise UserError(f"output.dir '{outdir}' is a file, not a directory; set "
+                        "output.dir to a directory (it is created if missing)")
     try:
-        outdir.mkdir(parents=True)
+        probe_directory(outdir)
     except OSError as exc:
-        raise UserError(f"output.dir '{outdir}': cannot be created "
+        raise UserError(f"output.dir '{outdir}': cannot be created or written "
                         f"({' '.join(str(exc).split())}); check the path and its "
                         "permissions, or set output.dir elsewhere") from exc
-    for d in [outdir, *outdir.parents]:  # (empty: made just now)
-        d.rmdir()
-        if d == top:
-            break
 
 
 def _check_writable(metrics: Path) -> None:
     """Fail before training where the metrics file cannot be written; nothing is
     created or truncated."""
-    existed = metrics.exists()
+    from hongtu.plot import probe_directory
+
     try:
-        metrics.parent.mkdir(parents=True, exist_ok=True)
-        with open(metrics, "a"):
-            pass
+        if metrics.is_dir():
+            raise IsADirectoryError(f"'{metrics}' is a directory")
+        if metrics.exists():
+            with open(metrics, "a"):
+                pass
+        else:
+            probe_directory(metrics.parent)
     except OSError as exc:
         raise UserError(f"metrics file '{metrics}': cannot be written "
                         f"({' '.join(str(exc).split())}); check the directory exists and is "
                         "writable, or choose another file") from exc
-    if not existed:
-        metrics.unlink()
 
 
 def _cmd_plot(args) -> int:

@@ -27,7 +27,8 @@ from pathlib import Path
 
 from hongtu.errors import UserError
 
-__all__ = ["read_metrics", "plot_metrics", "TIME_KEYS", "FORMATS"]
+__all__ = ["read_metrics", "plot_metrics", "TIME_KEYS", "FORMATS", "check_output",
+           "probe_directory", "write_atomic"]
 
 # Time split of an epoch, in the order the bars are stacked.
 TIME_KEYS = ("time_h2d_s", "time_d2h_s", "time_d2d_s", "time_compute_s", "time_cpu_s")
@@ -135,6 +136,34 @@ def check_output(out: Path, overwrite: bool, suffixes: tuple[str, ...] | None,
     if out.exists() and not overwrite:
         raise UserError(f"output '{out}' already exists; pass --overwrite to replace it, or "
                         "choose another file")
+    try:  # (before the work whose result it is, not after)
+        probe_directory(out.parent)
+    except OSError as exc:
+        raise UserError(f"output '{out}': cannot be written ({' '.join(str(exc).split())}); "
+                        "check the directory exists and is writable") from exc
+
+
+def probe_directory(directory: Path) -> None:
+    """Raise ``OSError`` where a file cannot be made in ``directory`` (created if
+    missing); nothing is left behind: the probe's file and the directories it
+    made are removed."""
+    directory = Path(directory)
+    made = []  # (innermost first)
+    d = directory
+    while not d.exists() and d.parent != d:
+        made.append(d)
+        d = d.parent
+    if d.exists() and not d.is_dir():
+        raise NotADirectoryError(f"'{d}' is a file, not a directory")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".hongtu-probe.", dir=directory)
+        os.close(fd)
+        os.unlink(tmp)
+    finally:
+        for m in made:
+            if m.is_dir():
+                m.rmdir()
 
 
 def write_atomic(out: Path, write) -> None:

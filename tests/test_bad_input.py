@@ -367,3 +367,16 @@ def test_predict_refuses_existing_output(capsys, env):
     (out / "p.npy").write_bytes(b"earlier predictions")
     fails(capsys, out, "already exists; pass --overwrite", "predict", CONFIG, *base,
           "-o", out / "p.npy")
+
+
+@pytest.mark.parametrize("command", ["predict", "plot"])
+def test_an_output_that_cannot_be_written_fails_before_the_work(capsys, env, monkeypatch,
+                                                                command):
+    out, base = env
+    ran = []
+    monkeypatch.setattr("hongtu.predict.predict", lambda *a, **k: ran.append(a))
+    monkeypatch.setattr("hongtu.plot.read_metrics", lambda *a, **k: ran.append(a))
+    argv = ["predict", CONFIG, *base, "-o", out / "notes.txt" / "p.npy"] if command == "predict" \
+        else ["plot", out / "m.jsonl", "-o", out / "notes.txt" / "p.png"]
+    fails(capsys, out, "cannot be written", *argv)
+    assert ran == []
