@@ -478,7 +478,9 @@ def _resident(cfg: Config, graph: Graph, assignment: np.ndarray, m: int, model, 
     if yes:
         notes.append(f"resident: every buffer ({format_size(need)}) and the batches of "
                      f"{chunks} chunk(s) fit the {format_size(budget)} budget, so training "
-                     "keeps them on the GPU and moves nothing over the host link "
+                     "keeps them on the GPU and moves no rows over the host link, nor the "
+                     "chunk blocks where they fit beside the batches (the setup says when "
+                     "they are copied batch by batch) "
                      f"(engine.resident={str(e.resident).lower()}); the plan below is what "
                      "engine.resident=false would move")
         if one:
