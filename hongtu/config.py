@@ -272,11 +272,13 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
 def _build(cls: type, raw: Any, prefix: str, where: str) -> Any:
     if raw is None:
         raw = {}
-    if not isinstance(raw, dict):
-        raise UserError(f"{where}: '{prefix or 'the file'}' must be a mapping of keys, "
-                        f"got {type(raw).__name__}")
-    hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    if not isinstance(raw, dict):
+        example = f"{prefix}.{next(iter(fields))}=..." if prefix else "engine.chunks=8"
+        raise UserError(f"{where}: '{prefix or 'the file'}' must be a mapping of keys, "
+                        f"got {type(raw).__name__} {raw!r}"[:300] + f"; set its keys "
+                        f"({', '.join(fields)}) one by one, e.g. {example}")
+    hints = typing.get_type_hints(cls)
     for key in raw:
         if key not in fields:
             name = f"{prefix}.{key}" if prefix else str(key)
