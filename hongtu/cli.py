@@ -175,7 +175,8 @@ def _cmd_train(args) -> int:
     # What needs no graph is checked before the graph is loaded and planned.
     if args.resume:
         require_checkpoint(Path(cfg.output.dir))
-    if int(os.environ.get("RANK", "0")) == 0:
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if rank0:
         _check_can_create(Path(cfg.output.dir))
         if metrics:
             _check_writable(metrics)
@@ -184,7 +185,6 @@ def _cmd_train(args) -> int:
         check_output_dir(Path(cfg.output.dir), overwrite)  # (before any rank starts)
         return launch(args.argv, cfg.engine.devices,
                       str(Path(cfg.output.dir) / CHECKPOINT), resumed=args.resume)
-    rank0 = int(os.environ.get("RANK", "0")) == 0
     out = (lambda s: None) if args.quiet or not rank0 else print
     trainer = Trainer(cfg, overwrite=overwrite, out=out)
     if metrics and rank0:

@@ -80,13 +80,13 @@ def parse_counts(text: str | None, what: str) -> list[int] | None:
 # ----------------------------------------------------------------- analysis
 def _replication(graph: Graph, method: str, seed: int, cache_dir: str,
                  counts: list[int], seconds: float | None = None
-                 ) -> tuple[list[dict], list[int], dict | None]:
+                 ) -> tuple[list[dict], list[int], dict | None, dict | None]:
     """α and cut fraction of ``method`` for each part count (level 1 only, cached);
-    the counts skipped; where the table stops early, why, else ``None``: METIS
-    failed (``{"parts", "message"}``; more parts take more of its memory), or
-    the counts so far took ``seconds`` or more (``{"parts", "seconds"}``; the
-    next count is not started: each cached count makes the next report's
-    table reach further)."""
+    the counts skipped; where METIS failed (``{"parts", "message"}``), the table
+    stops there (more parts take more of its memory), else ``None``; where the
+    counts so far took ``seconds`` or more (``{"parts", "seconds"}``), the next
+    count is not started (each cached count makes the next report's table
+    reach further), else ``None``."""
     rows, skipped = [], []
     start = time.perf_counter()
     for m in counts:
@@ -95,13 +95,13 @@ def _replication(graph: Graph, method: str, seed: int, cache_dir: str,
             continue
         spent = time.perf_counter() - start
         if rows and seconds and spent >= seconds:
-            return rows, skipped, {"parts": m, "seconds": spent}
+            return rows, skipped, None, {"parts": m, "seconds": spent}
         t0 = time.perf_counter()
         try:
             assignment, hit = assign_parts(graph, m, method=method, seed=seed,
                                            cache_dir=cache_dir, return_hit=True)
         except MetisError as err:
-            return rows, skipped, {"parts": m, "message": str(err)}
+            return rows, skipped, {"parts": m, "message": str(err)}, None
         perm = np.argsort(assignment, kind="stable")
         part_ptr = np.zeros(m + 1, dtype=np.int64)
         np.cumsum(np.bincount(assignment, minlength=m), out=part_ptr[1:])
@@ -110,7 +110,7 @@ def _replication(graph: Graph, method: str, seed: int, cache_dir: str,
         rows.append({"parts": m, "alpha": float(nbrs.sum()) / max(graph.num_nodes, 1),
                      "cut_fraction": cut / max(graph.num_edges, 1), "cached": bool(hit),
                      "seconds": time.perf_counter() - t0})
-    return rows, skipped, None
+    return rows, skipped, None, None
 
 
 def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h2d_rows: int,
@@ -612,7 +612,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     tp = resolve_throughput(e)
 
     t0 = time.perf_counter()
-    alpha, skipped, failed = _replication(
+    alpha, skipped, failed, stopped = _replication(
         graph, e.partitioner, cfg.train.seed, e.cache_dir,
         list(PARTS_LIST if parts_list is None else parts_list), alpha_seconds)
     t["replication_s"] = time.perf_counter() - t0
@@ -739,9 +739,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         "throughput": {k: v / 1e9 for k, v in tp.items() if k != "source"}
                       | {"source": tp["source"]},
         "replication": alpha, "replication_skipped": skipped,
-        # (where the table stopped early: METIS failed, or --alpha-seconds passed)
-        "replication_failed": failed if failed and "message" in failed else None,
-        "replication_stopped": failed if failed and "seconds" in failed else None,
+        "replication_failed": failed, "replication_stopped": stopped,
         "volumes": {"candidates": cands, "chosen": main.order_name, "without_reorg": "identity",
                     "with_reorg": min(cands, key=lambda k: cands[k]["cost_s"]),
                     "plan": {k: int(v) for k, v in main.plan.volumes().items()

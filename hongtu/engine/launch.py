@@ -64,15 +64,13 @@ def _worker(argv: list[str]) -> None:
     code = main(argv)
     if code:
         # A non-zero exit makes the launcher stop the other ranks. First note
-        # that this rank ended by its own error (a one-line error is noted
-        # with its line, which the launcher prints): the peers it leaves may
-        # abort on the closed connections, and the launcher may see one of
-        # them fail before this rank.
+        # that this rank ended by its own error: the peers it leaves may abort
+        # on the closed connections, and the launcher may see one of them fail
+        # before this rank. (A one-line error or Ctrl-C was noted, with its
+        # line, where main caught it, and the rank ended there.)
         sys.stdout.flush()
         sys.stderr.flush()
-        folder = os.environ.get(RANK_FAILURES)
-        if folder and not os.path.exists(os.path.join(folder, os.environ.get("RANK", "0"))):
-            note_rank_failure(code)
+        note_rank_failure(code)
         sys.exit(code)
 
 

@@ -321,7 +321,8 @@ class Trainer:
                     del other
         del chunkings
         self.loaded_rows = total(self.transfer_plan.h2d_rows)[0]  # (per pass, every process)
-        blocks = resident_block_bytes(sizes, itemsize, parts if world > 1 else 1)
+        # (a process of several keeps its own part's blocks)
+        self.block_bytes = resident_block_bytes(sizes, itemsize, parts if world > 1 else 1)
         self.plan_s = time.perf_counter() - t_plan
         self.estimate = estimate(self.transfer_plan.plans[rank], sizes)
         dplan, widths = self.transfer_plan.plans[rank], self.model.row_widths()
@@ -329,13 +330,12 @@ class Trainer:
         most = int(sizes.num_dst.max())
         index_bytes = ordered_rows_room(
             dplan, once, e.ordered_rows and self.device.type == "cuda" and e.overlap
-            and not self.resident, leftover_bytes(self.room, self.estimate, blocks)[0],
+            and not self.resident, leftover_bytes(self.room, self.estimate, self.block_bytes)[0],
             most, most * slot_widths(self.model, stored)["grad"] * itemsize)
         self.estimate += index_bytes or 0
         # (The blocks stay on the device in what the plan and its kept rows leave.) What
         # the budget still leaves may let a layer's rows move whole.
-        left, self.blocks_fit = leftover_bytes(self.room, self.estimate, blocks)
-        self.block_bytes = blocks
+        left, self.blocks_fit = leftover_bytes(self.room, self.estimate, self.block_bytes)
         left = None if self.resident or not e.whole_layers else left
         stage = dplan.max_later_load if e.overlap else 0  # staging rows of the row memory
         plan_rows = row_memory(dplan.buffer_rows, widths, stage)
