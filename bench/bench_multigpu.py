@@ -57,11 +57,14 @@ def run(args, devices: int, system: str, work: Path) -> dict:
     # (rank 0's planning step and its wait for the other ranks' agreements)
     planned = re.search(r"planned in ([0-9.]+) s(?:, of which (?:neighbour sets [0-9.]+ s, )?"
                         r"waiting for the other processes ([0-9.]+) s)?", p.stdout)
+    # (rank 0's device estimate: what the chunk count and kept rows were chosen by)
+    estimate = re.search(r"estimated peak ([0-9.]+ [KMGT]?i?B) per batch", p.stdout)
     steady = recs[1:-1] or recs[1:] or recs  # drop warm-up and the evaluating last epoch
     last = steady[-1]
     return {"status": "ok", "chunks": int(shape[2]) if shape else None,
             "resident": "device buffers (resident" in p.stdout,
             "blocks_copied": "chunk blocks: copied" in p.stdout,
+            "estimate": estimate[1] if estimate else None,
             "plan_s": float(planned[1]) if planned else None,
             "plan_waits_s": float(planned[2]) if planned and planned[2] else None,
             "epoch_s": [r["epoch_s"] for r in recs],
@@ -106,7 +109,9 @@ def main() -> int:
                     continue
                 r = run(args, d, system, Path(tmp))
                 results[f"{system}/{d}"] = r
-                shown = f"{r['median_epoch_s']:.3f} s" if r["status"] == "ok" else r["status"]
+                shown = (f"{r['median_epoch_s']:.3f} s, peak "
+                         f"{r['peak_device_bytes'] / 2**30:.2f} GiB, rank 0's estimate "
+                         f"{r['estimate']}") if r["status"] == "ok" else r["status"]
                 print(f"{system:<10} {d} GPU(s): {shown} "
                       f"({time.time() - start:.0f} s elapsed)", flush=True)
                 if r["status"] != "ok":

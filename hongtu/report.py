@@ -322,7 +322,7 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
             ctx["model"], sizes, ctx["itemsize"], num_nodes=graph.num_nodes,
             buffer_rows=max(p.buffer_rows for p in devs), overlap=e.overlap,
             load_rows=max(p.max_later_load for p in devs), copied_dst=ctx["copied_dst"],
-            device=ctx["device"])
+            device=ctx["device"], cached=ctx["cached"], exchange=ctx["devices"] > 1)
 
     once = reads_rows_once(ctx["model"], ctx["checkpoint"])
 
@@ -356,7 +356,8 @@ def _plan_chunks(graph: Graph, assignment: np.ndarray, m: int, n: int, ctx: dict
                             first_stores=first_stores)
     unplanned = estimate_device_bytes(ctx["model"], sizes, ctx["itemsize"],
                                       num_nodes=graph.num_nodes, overlap=e.overlap,
-                                      copied_dst=ctx["copied_dst"], device=ctx["device"])
+                                      copied_dst=ctx["copied_dst"], device=ctx["device"],
+                                      cached=ctx["cached"], exchange=ctx["devices"] > 1)
     return _Setting(part, plan, name, candidates, need + (rows - plan_rows) * ctx["itemsize"],
                     rows, index_bytes is not None, sizes, blocks_fit, unplanned)
 
@@ -413,9 +414,11 @@ def _costs(plan: TransferPlan, traffic: dict, tp: dict) -> dict:
 def _budget_and_chunks(cfg: Config, graph: Graph, assignment: np.ndarray, m: int, model,
                        notes: list[str], copied_dst: list[bool] | None = None,
                        gpu: bool = False, chunkings=None,
-                       itemsize: int = 4) -> tuple[int | None, int, str]:
+                       itemsize: int = 4,
+                       cached: list[bool] | None = None) -> tuple[int | None, int, str]:
     """``(budget, n, how n was chosen)``, as the trainer chooses (8 chunks without a
-    budget; ``copied_dst``: :func:`~hongtu.engine.executor.own_rows_copied`; ``gpu``:
+    budget; ``copied_dst``: :func:`~hongtu.engine.executor.own_rows_copied`;
+    ``cached``: the layers keeping their aggregate, as resolved; ``gpu``:
     training runs on a GPU; ``chunkings``: the
     :class:`~hongtu.engine.budget.Chunkings` to try counts with)."""
     import torch
@@ -442,7 +445,7 @@ def _budget_and_chunks(cfg: Config, graph: Graph, assignment: np.ndarray, m: int
         return None, n, "auto without a budget"
     n, _ = choose_chunks(graph, assignment, m, model, budget, itemsize, chunkings=chunkings,
                          overlap=e.overlap, copied_dst=copied_dst,
-                         device="cuda" if gpu else "cpu")
+                         device="cuda" if gpu else "cpu", cached=cached, exchange=e.devices > 1)
     return budget, n, f"auto: fewest that fit {format_size(budget)}"
 
 
@@ -623,12 +626,12 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     # (one set of chunkings for the counts tried, out of core and resident, as training)
     chunkings = Chunkings(graph, assignment, m)
     budget, n, chunks_how = _budget_and_chunks(cfg, graph, assignment, m, model, notes,
-                                               copied, gpu, chunkings, itemsize)
+                                               copied, gpu, chunkings, itemsize, cached)
     resident = _resident(cfg, graph, assignment, m, model, budget, gpu, notes, itemsize,
                          chunkings)
     ctx = {"engine": e, "seed": cfg.train.seed, "throughput": tp, "devices": e.devices,
            "row_bytes": itemsize * max(widths), "model": model, "itemsize": itemsize,
-           "budget": budget, "copied_dst": copied, "checkpoint": checkpoint,
+           "budget": budget, "copied_dst": copied, "checkpoint": checkpoint, "cached": cached,
            # (as training decides where loads and stores overlap: a GPU with overlap)
            "overlapped": e.overlap and gpu, "device": "cuda" if gpu else "cpu"}
     main = _plan_chunks(graph, assignment, m, n, ctx)

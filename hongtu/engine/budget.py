@@ -8,9 +8,14 @@ The estimate is per chunk and per layer, the peak of forward and backward:
   (own rows, cached aggregates, output gradients; :func:`slot_widths`),
   double-buffered with overlap, each as wide as what it holds;
 * the chunk's block (two copies of its edges, plus per-edge weights);
-* activations of the layer: dropped inputs (the counter-based dropout mask
-  costs 32 bytes per element while it is built), the aggregate, the output
-  and their gradients, plus the layer's own ``extra_device_bytes``;
+* the step of the layer (:func:`batch_bytes`): for a cached layer the larger
+  of its forward (sources gathered and dropped out, or, aggregated where
+  they lie, :func:`aggregates_in_place`, the adjacency's columns; the
+  aggregate with cuSPARSE's workspace) and its backward (the transpose's
+  output and workspace, or the update's gradients); for a recomputed one
+  its sources, their gradient and the product's workspace beside the
+  aggregate, the output and their gradients (dropout masks where no fused
+  kernel runs); plus the layer's own ``extra_device_bytes``;
 * parameters with their gradients and Adam's two moments, and, where they are
   small enough (:func:`step_ahead`), the copy of the parameters and moments
   the trainer takes each epoch to issue the optimizer step behind backward.
@@ -35,7 +40,8 @@ from hongtu.partition import Chunker, Partition
 from hongtu.partition._kernels import distinct_sources
 
 __all__ = ["AUTO_BUDGET_FRACTION", "CHUNK_CANDIDATES", "ROWS_PER_EXTRA_CHUNK", "ChunkSizes",
-           "Chunkings", "check_device_budget", "choose_chunks", "choose_resident", "chunk_sizes",
+           "Chunkings", "aggregates_in_place", "batch_bytes", "check_device_budget",
+           "choose_chunks", "choose_resident", "chunk_sizes",
            "estimate_device_bytes", "first_layer_stores", "first_layer_whole_faster",
            "grown_row_memory", "kept_graph_bytes", "kept_graph_layers", "kept_graph_need",
            "kept_graphs", "leftover_bytes", "more_chunks", "more_chunks_text", "plan_loads",
@@ -241,7 +247,8 @@ def estimate_device_bytes(model: GNN, sizes: ChunkSizes, itemsize: int = 4,
                           buffer_rows: int | None = None, overlap: bool = True,
                           load_rows: int | None = None, resident: bool = False,
                           copied_dst: list[bool] | None = None,
-                          device: str | None = None, direct: bool = False) -> int:
+                          device: str | None = None, direct: bool = False,
+                          cached: list[bool] | None = None, exchange: bool = False) -> int:
     """Estimated peak device bytes of training ``model`` chunk by chunk.
 
     Args:
@@ -267,16 +274,22 @@ def estimate_device_bytes(model: GNN, sizes: ChunkSizes, itemsize: int = 4,
         direct: resident in one process, where the executor reads the rows in
             place and keeps no transition buffer or staging area (one row;
             ``buffer_rows`` and ``load_rows`` are then not used).
+        cached: the layers that keep their aggregate in host memory (the
+            resolved ``engine.checkpoint``; default
+            :meth:`~hongtu.nn.GNN.cached_layers`), whose steps need less.
+        exchange: one process of several (rows of other parts are exchanged:
+            the first layer gathers its sources, :func:`aggregates_in_place`).
     """
     with ops.planning_for(device):
         return _estimate(model, sizes, itemsize, training, num_nodes, buffer_rows, overlap,
-                         load_rows, resident, copied_dst, direct)
+                         load_rows, resident, copied_dst, direct, cached, exchange)
 
 
 def _estimate(model: GNN, sizes: ChunkSizes, itemsize: int, training: bool, num_nodes: int,
               buffer_rows: int | None, overlap: bool, load_rows: int | None, resident: bool,
-              copied_dst: list[bool] | None, direct: bool = False) -> int:
-    widths, true = model.row_widths(), model.widths()
+              copied_dst: list[bool] | None, direct: bool = False,
+              cached: list[bool] | None = None, exchange: bool = False) -> int:
+    widths = model.row_widths()
     max_src, max_dst = int(sizes.num_src.max()), int(sizes.num_dst.max())
     rows = 1 if direct else max_src if buffer_rows is None else int(buffer_rows)
     stage = 0 if direct else (rows if load_rows is None else int(load_rows)) if overlap else 0
@@ -289,22 +302,80 @@ def _estimate(model: GNN, sizes: ChunkSizes, itemsize: int, training: bool, num_
     fixed += num_nodes * 11  # labels (int64) and three masks (bool)
     fixed += flush_pieces_bytes(model, max_dst, itemsize) if training else 0
     fixed += _FIXED_EXTRA
+    cached = model.cached_layers() if cached is None else cached
+    return int(fixed + _SLACK * max(_batch_bytes(model, sizes, itemsize, training, cached,
+                                                  exchange, direct)))
+
+
+def aggregates_in_place(model: GNN, cached: list[bool], exchange: bool = False,
+                        direct: bool = False) -> list[bool]:
+    """Layers whose chunks aggregate their sources where they lie on the device,
+    in the transition buffer's slots or a whole layer's rows, instead of
+    gathering a copy (``ops.aggregate_rows``): those with the built-in
+    aggregation that read their rows as they are kept (``z^l`` or
+    ``drop(h^l)``: no dropout to apply first), and a cached first layer of a
+    lone process (``exchange`` false), whose rows are dropped out once where
+    they lie. None when the buffers are on one device (``direct``: the rows
+    are read from them)."""
+    return [bool(not direct and (cached[0] and not exchange if l == 0
+                                 else layer.cacheable and model.reads_as_kept(l)))
+            for l, layer in enumerate(model.layers)]
+
+
+def batch_bytes(model: GNN, sizes: ChunkSizes, itemsize: int = 4, training: bool = True,
+                device: str | None = None, cached: list[bool] | None = None,
+                exchange: bool = False, direct: bool = False) -> list[int]:
+    """Per layer, the estimate's largest batch: device bytes one chunk's step
+    adds to what is allocated for the whole run (its block, activations and
+    gradients, and the layer's ``extra_device_bytes``), before the estimate's
+    slack. ``cached``: the layers that keep their aggregate (default
+    :meth:`~hongtu.nn.GNN.cached_layers`); ``exchange``: one process of
+    several; ``direct``: resident in one process.
+    :func:`estimate_device_bytes` is the fixed part plus the largest of these
+    times its slack; ``bench/bench_memory.py`` sets each beside the measured
+    peak of the layer's passes."""
+    with ops.planning_for(device):
+        return _batch_bytes(model, sizes, itemsize, training,
+                            model.cached_layers() if cached is None else cached,
+                            exchange, direct)
+
+
+def _batch_bytes(model: GNN, sizes: ChunkSizes, itemsize: int, training: bool,
+                 cached: list[bool], exchange: bool, direct: bool) -> list[int]:
+    widths, true = model.row_widths(), model.widths()
     fused = itemsize == 4 and ops.fused_dropout()
     masks = training and model.p > 0
-    peak = 0
+    here = aggregates_in_place(model, cached, exchange, direct)
+    src, dst, e = sizes.num_src, sizes.num_dst, sizes.num_edges
+    # the chunk's block: indices both ways with the transpose's permutation,
+    # edge weights, and its vertex arrays
+    block = e * (3 * 8 + itemsize + 8) + (src + dst) * (8 + itemsize) + src * 8
+    out = []
     for l, layer in enumerate(model.layers):
         w_in, w_out = widths[l], widths[l + 1]
+        extra = np.array([layer.extra_device_bytes(int(a), int(b), int(c), itemsize)
+                          for a, b, c in zip(src, dst, e)], dtype=np.int64)
+        out_drop = _MASK_BYTES if masks and not fused and model.reads_as_kept(l + 1) else 0
+        if cached[l]:
+            act = _cached_step_bytes(model, l, src, dst, e, itemsize, training, here[l],
+                                     fused) + dst * true[l + 1] * out_drop
+            out.append(int((block + act + extra).max()))
+            continue
         # (no mask for rows read as kept: the layer before dropped them)
         drop = _MASK_BYTES if masks and not (fused and layer.cacheable) \
             and not model.reads_as_kept(l) else 0
-        out_drop = _MASK_BYTES if masks and not fused and model.reads_as_kept(l + 1) else 0
-        src, dst, e = sizes.num_src, sizes.num_dst, sizes.num_edges
-        block = e * (3 * 8 + itemsize + 8) + (src + dst) * (8 + itemsize) + src * 8
         act = src * w_in * (2 * itemsize + drop) + dst * (3 * w_in + 3 * w_out) * itemsize
         if w_out != true[l + 1]:  # the next layer transforms first: h^{l+1}[V], then z
             act = act + dst * true[l + 1] * (3 * itemsize + out_drop)
         else:  # (its dropout, when the next layer reads h^{l+1} dropped out)
             act = act + dst * w_out * out_drop
+        if training and layer.cacheable and l > 0:
+            # recomputed through autograd, the built-in aggregation's backward
+            # (its transpose) makes the sources' gradient beside their gathered
+            # copy, with a workspace as large (cuSPARSE's SpMM; products-like
+            # SAGE 2x256, layer 1: 1.53 GiB measured against 1.42 counted
+            # without it on an H200, bench_memory.py)
+            act = act + src * w_in * itemsize
         if training and layer.needs_dst and layer.cacheable:
             # a built-in aggregation's layer reading its own rows (SAGE, GIN;
             # recomputed where its own rows are among its sources) holds their
@@ -312,10 +383,45 @@ def _estimate(model: GNN, sizes: ChunkSizes, itemsize: int, training: bool, num_
             # edge weights gathered (products-like SAGE 2x256: 113 MiB past the
             # estimate without them, measured per pass on an H200)
             act = act + dst * w_in * itemsize + e * itemsize
-        extra = np.array([layer.extra_device_bytes(int(a), int(b), int(c), itemsize)
-                          for a, b, c in zip(src, dst, e)], dtype=np.int64)
-        peak = max(peak, int((block + act + extra).max()))
-    return int(fixed + _SLACK * peak)
+        out.append(int((block + act + extra).max()))
+    return out
+
+
+def _cached_step_bytes(model: GNN, l: int, src, dst, e, itemsize: int, training: bool,
+                       in_place: bool, fused: bool):
+    """Device bytes of a cached layer's step beyond its block and the layer's
+    ``extra_device_bytes`` (its update's intermediates), per chunk: the larger
+    of its forward and its backward (measured per pass, allocation by
+    allocation, with ``bench/bench_memory.py --sites`` on an H200: GCN, SAGE
+    and GIN on products-like, R-MAT 2^22 and reddit-like).
+
+    Forward: the edge weights; the sources gathered (and dropped out), or,
+    aggregated where they lie (``in_place``, :func:`aggregates_in_place`), the
+    adjacency's columns as rows of the table (int64); the aggregate with
+    cuSPARSE's workspace, as large as its output; ``z^{l+1}`` where the next
+    layer transforms first. Backward: the update's (the aggregate's gradient
+    and the output rows'), or, where the layer's inputs take a gradient (not
+    the first), the aggregation's transpose, whose output (the sources'
+    gradient) comes with a workspace as large, beside the aggregate's
+    gradient (or the gradient dropped out, where the layer drops its inputs:
+    the workspace is free by then). A layer reading its own rows also holds
+    their gradient and the transpose's edge weights."""
+    widths, true = model.row_widths(), model.widths()
+    w_in, w_out = widths[l], widths[l + 1]
+    layer = model.layers[l]
+    sources = src * w_in * itemsize
+    drops = training and model.p > 0 and not model.reads_as_kept(l)
+    mask = src * w_in * _MASK_BYTES if drops and not fused else 0
+    gathered = e * 8 if in_place else sources * (2 if drops else 1) + mask
+    z = dst * w_out * itemsize if w_out != true[l + 1] else 0
+    forward = e * itemsize + gathered + 2 * dst * w_in * itemsize + z
+    if not training:
+        return forward
+    own = dst * w_in * itemsize + e * itemsize if layer.needs_dst else 0
+    update = e * itemsize + dst * (w_in + w_out) * itemsize + own
+    transpose = e * itemsize + 2 * sources + dst * w_in * itemsize + mask + own \
+        if l > 0 else 0
+    return np.maximum(forward, np.maximum(update, transpose))
 
 
 #: ``engine.device_memory: auto`` on a GPU: this share of its free memory

@@ -41,6 +41,7 @@ from torch import Tensor
 from hongtu.config import EngineConfig
 from hongtu.dedup import DevicePlan
 from hongtu.engine.budget import (
+    aggregates_in_place,
     first_layer_may_fold,
     first_layer_stores,
     flush_piece_rows,
@@ -992,21 +993,15 @@ class Executor:
         self._splits = torch.stack([masks[k] for k in _SPLITS], 1).to(device)
         self._split_sizes = self._splits.sum(0).to(torch.float64)
         self._label_cols = self.labels.clamp(0, model.layers[-1].out_width - 1).unsqueeze(1)
-        # Layers with the built-in aggregation that read their rows as they are
-        # kept (z^l or drop(h^l): no dropout to apply first) aggregate them where
-        # they lie, without a gathered copy: whole layers in the row memory,
-        # the others in the transition buffer's slots.
-        as_kept = [model.layers[l].cacheable and model.reads_as_kept(l)
-                     for l in range(model.num_layers)]
-        self._in_place = [w and k for w, k in zip(self._whole, as_kept)]
-        # So does a cached first layer moving the plan's rows (one process),
-        # its rows dropped out once as they arrive (a slot holds one row for
-        # the whole pass; backward reads none of them), instead of gathering
-        # and dropping each chunk's copy.
-        self._first_in_slots = (not self._direct and comm is None and not self._whole[0]
-                                and self.cached[0])
-        self._in_slots = [self._first_in_slots] + [
-            k and not self._direct and not w for w, k in zip(self._whole[1:], as_kept[1:])]
+        # Layers that aggregate their sources where they lie, without a gathered
+        # copy (budget.aggregates_in_place): whole layers in the row memory, the
+        # others in the transition buffer's slots. A first layer's rows are
+        # dropped out there once, as they arrive (a slot holds one row for the
+        # whole pass) or once the whole copy is in; backward reads none of them.
+        here = aggregates_in_place(model, self.cached, comm is not None, self._direct)
+        self._in_place = [w and h for w, h in zip(self._whole, here)]
+        self._in_slots = [h and not w for w, h in zip(self._whole, here)]
+        self._first_in_slots = self._in_slots[0]
         self._piece = max(chunks.max_rows()[0], 1)  # rows dropped at a time
         # Forward steps take their own rows from the device where they are there.
         self._fwd_own = own_rows_forward(model, self._whole, self._own_at is not None,
@@ -1284,6 +1279,19 @@ class Executor:
                 at = slots[a:a + piece]
                 model.drop_sources_into(0, tbuf, ids[a:a + piece], seed, tbuf, at, x_at=at)
 
+    def _drop_whole_first(self, seed: int) -> None:
+        """Apply the first layer's dropout to its whole rows where they lie (once
+        per training pass, after their copy), a bounded piece at a time, so
+        its chunks aggregate them in place (:attr:`_in_place`) as the slots'
+        rows are (:meth:`_place_dropped`), without a gathered copy each."""
+        model, rows = self.model, self._whole_rows(0)
+        if model.p <= 0:
+            return
+        with self.mover.timing("time_compute_s"):
+            for a in range(0, rows.shape[0], self._piece):
+                at = torch.arange(a, min(a + self._piece, rows.shape[0]), device=rows.device)
+                model.drop_sources_into(0, rows, at, seed, rows, at, x_at=at)
+
     def _rows_from_aggregates(self, s: int, tbuf: Tensor, seed: int) -> None:
         """Make the rows step ``s`` loaded for layer 1 as the first layer's
         aggregates (in their slots' first columns, :func:`first_aggregates_ordered`)
@@ -1403,6 +1411,8 @@ class Executor:
                         self._place_dropped(rows, s, tbuf, seed)
                     else:
                         mv.place(rows)
+                        if l == 0 and self._in_place[0] and train:
+                            self._drop_whole_first(seed)
                     if l == 1 and train and self._narrow and s > 0:
                         self._rows_from_aggregates(s, tbuf, seed)
                     self._exchange(s, tbuf)
@@ -1426,8 +1436,10 @@ class Executor:
                     if self._fwd_own[l]:
                         x_dst = self._own_forward(l, q, c, block, tbuf, x_src)
                     if a is not None:
-                        # (a first layer's own rows from its slots: dropped out already)
-                        dropped = l == 0 and in_slots and train and self._fwd_own[l]
+                        # (a first layer's own rows from its slots or its whole
+                        # rows: dropped out already)
+                        dropped = l == 0 and (in_slots or self._in_place[0]) and train \
+                            and self._fwd_own[l]
                         if l in graphs:  # its graph kept for backward, not its aggregate
                             out = self._keep_update(l, c, block, a, x_dst, seed, nxt, dropped)
                             a = None

@@ -206,7 +206,8 @@ class Trainer:
         if chunks is None and e.chunks == "auto":
             chunks, _ = choose_chunks(graph, assignment, parts, self.model, self.room, itemsize,
                                       chunkings=chunkings, overlap=e.overlap,
-                                      copied_dst=copied, device=self.device.type)
+                                      copied_dst=copied, device=self.device.type,
+                                      cached=cached, exchange=world > 1)
         elif chunks is None:
             chunks = e.chunks
         part, sizes = chunkings.get(chunks)  # (a part too small for them: UserError)
@@ -222,7 +223,8 @@ class Trainer:
             return estimate_device_bytes(self.model, sizes, itemsize,
                                          num_nodes=num_nodes, overlap=e.overlap,
                                          resident=self.resident, copied_dst=copied,
-                                         device=self.device.type, direct=direct)
+                                         device=self.device.type, direct=direct,
+                                         cached=cached, exchange=world > 1)
 
         self.estimate = unplanned(sizes)
         if self.room is not None and self.estimate > self.room:
@@ -259,7 +261,8 @@ class Trainer:
             return estimate_device_bytes(
                 self.model, sizes, itemsize, num_nodes=b - a, buffer_rows=dplan.buffer_rows,
                 overlap=e.overlap, load_rows=dplan.max_later_load, resident=self.resident,
-                copied_dst=copied, device=self.device.type, direct=direct)
+                copied_dst=copied, device=self.device.type, direct=direct, cached=cached,
+                exchange=world > 1)
 
         def plan_count(n: int, chunk_ptr: np.ndarray, sizes, neighbours) -> tuple:
             """``(neighbour sets, batch order, transfer plan)`` of ``n`` chunks per part."""
@@ -323,6 +326,7 @@ class Trainer:
         self.loaded_rows = total(self.transfer_plan.h2d_rows)[0]  # (per pass, every process)
         # (a process of several keeps its own part's blocks)
         self.block_bytes = resident_block_bytes(sizes, itemsize, parts if world > 1 else 1)
+        self.chunk_sizes = sizes  # (every part's chunks: rows and edges, as estimated)
         self.plan_s = time.perf_counter() - t_plan
         self.estimate = estimate(self.transfer_plan.plans[rank], sizes)
         dplan, widths = self.transfer_plan.plans[rank], self.model.row_widths()

@@ -11,6 +11,8 @@ from hongtu.engine.budget import (
     CHUNK_CANDIDATES,
     Chunkings,
     ChunkSizes,
+    aggregates_in_place,
+    batch_bytes,
     check_device_budget,
     choose_chunks,
     chunk_sizes,
@@ -419,6 +421,48 @@ def test_layers_reading_own_rows_count_their_gradient():
             + int(sizes.num_edges.max())
         assert (0 < with_it - without <= budget._SLACK * 4 * most) == counted
         assert (with_it == without) == (not counted)
+
+
+def test_layers_aggregating_in_place_count_no_gathered_sources():
+    """A layer that aggregates its sources where they lie (a cached first layer
+    of a lone process, a layer reading its rows as kept) counts no gathered copy
+    of them; one of several processes gathers and drops the first layer's
+    sources, and one resident process every layer's. A layer whose inputs take
+    a gradient counts, in backward, the transpose's output and cuSPARSE's
+    workspace as large (both measured on an H200, bench/bench_memory.py)."""
+    g = CASES["skewed"](seed=0)
+    p = chunk_partition(g, np.zeros(g.num_nodes, dtype=np.int64), 4, num_parts=1)
+    sizes = chunk_sizes(g, p.perm, p.chunk_ptr)
+    model = make_model("gcn")  # (its second layer transforms first: reads z^1 as kept)
+    cached = model.cached_layers()
+    assert aggregates_in_place(model, cached) == [True, True]
+    assert aggregates_in_place(model, cached, exchange=True) == [False, True]
+    assert aggregates_in_place(model, cached, direct=True) == [False, False]
+    assert aggregates_in_place(model, [False, True]) == [False, True]  # (recomputed first)
+    gat = make_model("gat")
+    assert aggregates_in_place(gat, gat.cached_layers()) == [False, False]
+
+    def terms(**kw):
+        return batch_bytes(model, sizes, device="cuda", cached=cached, **kw)
+
+    one, several, resident = terms(), terms(exchange=True), terms(direct=True)
+    assert several[0] > one[0] and several[1] == one[1]
+    assert resident[0] == several[0] and resident[1] >= one[1]
+    # (forward alone, the second layer gathers its sources only when resident:
+    # 4 bytes per source and column, where in place the adjacency's columns
+    # take 8 per edge; here, 3 columns wide, the copy is the smaller)
+    assert terms(training=False, direct=True)[1] < terms(training=False)[1]
+    src, dst, e = (int(x.max()) for x in (sizes.num_src, sizes.num_dst, sizes.num_edges))
+    w = model.row_widths()[1]
+    assert one[1] >= e * 4 + 2 * src * w * 4 + dst * w * 4  # (with the block on top)
+    # the estimate is its fixed part and the largest of these, with slack
+    from hongtu.engine import budget
+
+    for kw, most in (({}, max(one)), ({"exchange": True}, max(several))):
+        fixed = estimate_device_bytes(model, sizes, device="cuda", **kw) \
+            - int(budget._SLACK * most)
+        assert fixed == estimate_device_bytes(model, sizes, device="cuda") \
+            - int(budget._SLACK * max(one))
 
 
 def test_a_budget_above_the_gpus_free_memory_is_one_clear_line():

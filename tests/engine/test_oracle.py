@@ -225,6 +225,9 @@ def test_whole_layer_passes_equal_full_graph(case, layer, checkpoint, chunks):
     more = ex.plan.plan.load_ids.shape[0] > g.num_nodes
     assert more == (chunks == 6)
     assert ex._whole == [more] + [True] * (model.num_layers - 1)
+    # (a cached first layer moving all its rows drops them out where they lie
+    # and aggregates them there)
+    assert ex._in_place[0] == (more and ex.cached[0])
     ref_loss, ref_grads = reference_step(model, g)
     assert_matches(model, res.loss, ref_loss, ref_grads)
     if ex._kept[1]:  # (where the next forward's first rows may not go ahead)
@@ -910,11 +913,12 @@ def test_dropout_masks_change_between_epochs():
 @pytest.mark.parametrize("layer,whole", [("gat", False), ("gcn", False), ("gcn", True)])
 def test_evaluation_matches_full_graph_logits(layer, whole):
     """Evaluation logits and accuracy counts equal the in-memory model's (with
-    whole layers, GCN's weight-first layer reads its rows in place)."""
+    whole layers, the first layer and GCN's weight-first layer read their rows
+    in place)."""
     graph = CASES["skewed"](seed=0)
     model = make_model(layer)
     _, g, ex = chunked_step(model, graph, 1, 4, "auto", whole=whole)
-    assert ex._in_place == [False, whole]
+    assert ex._in_place == [whole, whole]
     res = ex.evaluate(epoch=0)
     ref = copy.deepcopy(model).double().eval()
     ref.transform_first = False
