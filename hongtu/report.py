@@ -472,7 +472,8 @@ def _resident(cfg: Config, graph: Graph, assignment: np.ndarray, m: int, model, 
         yes, _, chunks = choose_resident(e.resident, budget, need, e.chunks, graph, assignment,
                                          m, model, itemsize, chunkings=chunkings,
                                          graphs_bytes=room_for, overlap=e.overlap,
-                                         device="cuda", direct=one)
+                                         device="cuda", direct=one, exchange=not one,
+                                         cached=model.cached_layers(e.checkpoint))
     except UserError as err:
         notes.append(f"training stops before its first epoch: {err}")
         return {"resident": False, "buffers_bytes": need, "chunks": None,

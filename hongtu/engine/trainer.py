@@ -498,7 +498,8 @@ class Trainer:
                                assignment, parts, self.model, itemsize,
                                chunkings=self._chunkings, graphs_bytes=graphs,
                                overlap=e.overlap, device=self.device.type,
-                               direct=self.world == 1)
+                               direct=self.world == 1, exchange=self.world > 1,
+                               cached=self.model.cached_layers(e.checkpoint))
 
     def _optimizer(self) -> torch.optim.Optimizer:
         t = self.cfg.train
