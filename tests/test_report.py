@@ -678,8 +678,8 @@ def test_a_report_for_a_gpu_made_without_one_plans_the_gpu_run(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("layers, mib, trains", [
-    ("2", "68.15MiB", False), ("2", "68.18MiB", True), ("3", "69.15MiB", False),
-    ("3", "69.18MiB", True)])
+    ("2", "70.91MiB", False), ("2", "70.95MiB", True), ("3", "71.18MiB", False),
+    ("3", "71.21MiB", True)])
 def test_a_count_fits_where_training_takes_it(tmp_path, layers, mib, trains):
     """The report's ``fits`` is training's test: a chunk count whose estimate
     before the plan (a chunk's whole neighbour set buffered) exceeds the budget

@@ -397,7 +397,8 @@ def _cached_step_bytes(model: GNN, l: int, src, dst, e, itemsize: int, training:
 
     Forward: the edge weights; the sources gathered (and dropped out), or,
     aggregated where they lie (``in_place``, :func:`aggregates_in_place`), the
-    adjacency's columns as rows of the table (int64); the aggregate with
+    adjacency's columns as rows of the table (int64), unless no fused kernel
+    drops them out there; the aggregate with
     cuSPARSE's workspace, as large as its output; ``z^{l+1}`` where the next
     layer transforms first. Backward: the update's (the aggregate's gradient
     and the output rows'), or, where the layer's inputs take a gradient (not
@@ -411,8 +412,11 @@ def _cached_step_bytes(model: GNN, l: int, src, dst, e, itemsize: int, training:
     layer = model.layers[l]
     sources = src * w_in * itemsize
     drops = training and model.p > 0 and not model.reads_as_kept(l)
-    mask = src * w_in * _MASK_BYTES if drops and not fused else 0
-    gathered = e * 8 if in_place else sources * (2 if drops else 1) + mask
+    unfused = drops and not fused
+    mask = src * w_in * _MASK_BYTES if unfused else 0
+    # (where no fused kernel drops the rows out where they lie, the pieces
+    # dropped out as they arrive take as much as a gathered chunk's)
+    gathered = e * 8 if in_place and not unfused else sources * (2 if drops else 1) + mask
     z = dst * w_out * itemsize if w_out != true[l + 1] else 0
     forward = e * itemsize + gathered + 2 * dst * w_in * itemsize + z
     if not training:

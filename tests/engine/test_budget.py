@@ -410,12 +410,13 @@ def test_layers_reading_own_rows_count_their_gradient():
     for layer, counted in [("sage", True), ("gat", False)]:
         model = make_model(layer)
         none = [False] * model.num_layers  # (no own-row slots either way)
-        with_it = estimate_device_bytes(model, sizes, copied_dst=none)
+        # (planned for a GPU, whose fused dropout leaves backward the larger step)
+        with_it = estimate_device_bytes(model, sizes, copied_dst=none, device="cuda")
         for x in model.layers:
             x.needs_dst = False  # (an instance attribute: the estimate's term only)
         # (without its own rows SAGE's first layer may run its backward on
         # layer 1's flushes: their pieces, counted apart)
-        without = estimate_device_bytes(model, sizes, copied_dst=none) \
+        without = estimate_device_bytes(model, sizes, copied_dst=none, device="cuda") \
             - budget.flush_pieces_bytes(model, int(sizes.num_dst.max()), 4)
         most = max(int(sizes.num_dst.max()) * w for w in model.row_widths()[:-1]) \
             + int(sizes.num_edges.max())
