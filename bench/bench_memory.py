@@ -182,6 +182,11 @@ def run_model(args, name: str, budget) -> dict:
     return rec
 
 
+def _chunk_count(text: str) -> int | str:
+    """``--chunks``: ``auto`` or a count (argparse says which value it refused)."""
+    return text if text == "auto" else int(text)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("workload", choices=sorted(WORKLOADS))
@@ -193,7 +198,8 @@ def main() -> int:
     ap.add_argument("--budget", default=None,
                     help="device budget for every model (default: what bench_suite.py "
                          "recorded for each)")
-    ap.add_argument("--chunks", default="auto", help="engine.chunks (default auto)")
+    ap.add_argument("--chunks", default="auto", type=_chunk_count,
+                    help="engine.chunks (default auto)")
     ap.add_argument("--accelerator", default="auto", help="engine.accelerator (default auto)")
     ap.add_argument("--epochs", type=int, default=2,
                     help="epochs before the measured one (default 2)")
@@ -203,7 +209,6 @@ def main() -> int:
     ap.add_argument("--workdir", default="/tmp/hongtu_memory")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
-    args.chunks = args.chunks if args.chunks == "auto" else int(args.chunks)
     models = args.models.split(",")
     unknown = [m for m in models if m not in MODELS]
     if unknown:
