@@ -35,10 +35,10 @@ import time
 from pathlib import Path
 
 import torch
-from bench_suite import MODELS, SYSTEMS, WORKLOADS, make_graph, model_cfg, warm_up
+from bench_suite import MODELS, SYSTEMS, WORKLOADS, make_graph, model_cfg, suite_config, warm_up
 from common import RESULTS, device_name, file_tag, pass_names
 
-from hongtu.config import config_from_dict, parse_size
+from hongtu.config import parse_size
 from hongtu.engine.executor import Executor
 from hongtu.engine.trainer import Trainer
 from hongtu.graph.datasets import BUILTIN_DATASETS, BuiltinDataset
@@ -93,14 +93,9 @@ def main() -> int:
     warm_up(args)
     graph = make_graph(args.workload, None)
     BUILTIN_DATASETS[args.workload] = BuiltinDataset(args.workload, lambda: graph)
-    cfg = config_from_dict({
-        "data": {"path": f"builtin:{args.workload}", "undirected": False, "self_loops": False},
-        "model": model_cfg(args.model, WORKLOADS[args.workload]["hidden"]),
-        "train": {"epochs": args.epochs, "seed": 0},
-        "engine": {"chunks": "auto", "partitioner": "range",
-                   "device_memory": parse_size(args.budget),
-                   "cache_dir": str(Path(args.workdir) / "cache"), **SYSTEMS["hongtu"]},
-        "output": {"dir": str(Path(args.workdir) / "run")}})
+    cfg = suite_config(args.workload, model_cfg(args.model, WORKLOADS[args.workload]["hidden"]),
+                       args.workdir, args.epochs, device_memory=parse_size(args.budget),
+                       **SYSTEMS["hongtu"])
     tr = Trainer(cfg, overwrite=True, out=lambda s: None)
     collector = _Collector()
     if args.no_gc:

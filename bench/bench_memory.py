@@ -36,10 +36,10 @@ import time
 from pathlib import Path
 
 import torch
-from bench_suite import MODELS, SYSTEMS, WORKLOADS, make_graph, model_cfg, warm_up
+from bench_suite import MODELS, SYSTEMS, WORKLOADS, make_graph, model_cfg, suite_config, warm_up
 from common import RESULTS, device_name, file_tag, pass_names
 
-from hongtu.config import config_from_dict, format_size, parse_size
+from hongtu.config import format_size, parse_size
 from hongtu.engine.budget import _SLACK, batch_bytes
 from hongtu.engine.executor import Executor
 from hongtu.engine.trainer import Trainer
@@ -56,17 +56,14 @@ def _site(frames: list[dict]) -> str:
     return f"{f['filename'].rsplit('/hongtu/', 1)[-1]}:{f['line']} {f['name']}"
 
 
-def _is_mark(ev: dict) -> bool:
-    return any(f["name"] == _MARK_FN and f["filename"].endswith("bench_memory.py")
-               for f in ev.get("frames", ()))
-
-
-_MARK_FN = "_mark_pass"
-
-
 def _mark_pass(dev) -> None:
     """An allocation the history replay (:func:`pass_sites`) reads as a pass start."""
     torch.empty(1, dtype=torch.uint8, device=dev)
+
+
+def _is_mark(ev: dict) -> bool:
+    return any(f["name"] == _mark_pass.__name__ and f["filename"].endswith("bench_memory.py")
+               for f in ev.get("frames", ()))
 
 
 def pass_sites(trace: list[dict], top: int) -> list[dict]:
@@ -133,14 +130,10 @@ def measure_passes(tr: Trainer, epoch: int) -> list[dict]:
 
 
 def run_model(args, name: str, budget) -> dict:
-    cfg = config_from_dict({
-        "data": {"path": f"builtin:{args.workload}", "undirected": False, "self_loops": False},
-        "model": model_cfg(name, WORKLOADS[args.workload]["hidden"]),
-        "train": {"epochs": args.epochs + 1, "seed": 0},
-        "engine": {"chunks": args.chunks, "partitioner": "range", "accelerator": args.accelerator,
-                   "device_memory": budget,
-                   "cache_dir": str(Path(args.workdir) / "cache"), **SYSTEMS[args.system]},
-        "output": {"dir": str(Path(args.workdir) / "run")}})
+    cfg = suite_config(args.workload, model_cfg(name, WORKLOADS[args.workload]["hidden"]),
+                       args.workdir, args.epochs + 1, chunks=args.chunks,
+                       accelerator=args.accelerator, device_memory=budget,
+                       **SYSTEMS[args.system])
     tr = Trainer(cfg, overwrite=True, out=lambda s: None)
     cuda = tr.device.type == "cuda"
     for e in range(args.epochs):

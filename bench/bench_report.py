@@ -28,10 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-from bench_suite import SYSTEMS, WORKLOADS, make_graph
+from bench_suite import SYSTEMS, WORKLOADS, make_graph, suite_config
 from common import RESULTS
 
-from hongtu.config import config_from_dict
 from hongtu.graph.datasets import BUILTIN_DATASETS, BuiltinDataset
 from hongtu.report import build_report
 
@@ -41,15 +40,8 @@ def report_of(workload: str, mcfg: dict, system: str, budget: int, workdir: str,
     """The report's chunk count and epoch bytes for a suite run's configuration
     (as ``bench_suite.hongtu_run`` builds it), planned for a GPU."""
     name, _, chunks = system.partition("@")
-    cfg = config_from_dict({
-        "data": {"path": f"builtin:{workload}", "undirected": False, "self_loops": False},
-        "model": mcfg,
-        "train": {"epochs": 1, "seed": 0},
-        "engine": {"chunks": int(chunks) if chunks else "auto", "partitioner": "range",
-                   "device_memory": budget, "accelerator": "cuda",
-                   "cache_dir": str(Path(workdir) / "cache"), **SYSTEMS[name]},
-        "output": {"dir": str(Path(workdir) / "run")},
-    })
+    cfg = suite_config(workload, mcfg, workdir, 1, chunks=int(chunks) if chunks else "auto",
+                       device_memory=budget, accelerator="cuda", **SYSTEMS[name])
     d = build_report(cfg, parts_list=[], chunks_list=chunks_list or []).data
     epoch = d["transfers"]["epoch"]
     return {"chunks": d["engine"]["chunks"], "h2d_bytes": epoch["h2d_bytes"],

@@ -158,19 +158,27 @@ def in_memory_need(graph, mcfg: dict) -> int:
                               4).resident_bytes()
 
 
+def suite_config(workload: str, mcfg: dict, workdir: str, epochs: int, **engine):
+    """The configuration every benchmark trains or plans a suite workload with:
+    the registered graph as it is (``builtin:<workload>``), seed 0, range
+    parts, ``engine.chunks: auto``, a cache and output under ``workdir``;
+    ``engine`` adds or overrides engine keys (a system's, the budget)."""
+    return config_from_dict({
+        "data": {"path": f"builtin:{workload}", "undirected": False, "self_loops": False},
+        "model": mcfg,
+        "train": {"epochs": epochs, "seed": 0},
+        "engine": {"chunks": "auto", "partitioner": "range",
+                   "cache_dir": str(Path(workdir) / "cache"), **engine},
+        "output": {"dir": str(Path(workdir) / "run")},
+    })
+
+
 def hongtu_run(key: str, mcfg: dict, system: str, budget: int | None, args, peak) -> dict:
     name, _, chunks = system.partition("@")
-    cfg = config_from_dict({
-        "data": {"path": f"builtin:{key}", "undirected": False, "self_loops": False},
-        "model": mcfg,
-        "train": {"epochs": args.epochs, "seed": 0},
-        "engine": {"chunks": int(chunks) if chunks else "auto", "partitioner": "range",
-                   "device_memory": (getattr(args, "resident_budget", None) or "auto")
-                   if SYSTEMS[name]["resident"] else budget or "auto",
-                   "cache_dir": str(Path(args.workdir) / "cache"),
-                   **SYSTEMS[name]},
-        "output": {"dir": str(Path(args.workdir) / "run")},
-    })
+    cfg = suite_config(key, mcfg, args.workdir, args.epochs,
+                       chunks=int(chunks) if chunks else "auto",
+                       device_memory=(getattr(args, "resident_budget", None) or "auto")
+                       if SYSTEMS[name]["resident"] else budget or "auto", **SYSTEMS[name])
     print(f"--- {system}", flush=True)
     cuda = torch.cuda.is_available()
     mem = cfg.engine.device_memory  # (auto: the whole GPU)
