@@ -133,7 +133,7 @@ def measure(graph, layer: str, layers: int, dev: torch.device, only: int | None,
     if dev.type == "cpu":  # (resident, as the tests make a CPU executor)
         ex._direct = ex.resident = True
         ex._whole = [False] * len(ex._whole)
-        ex._first_in_slots = ex._in_flushes = False
+        ex._in_flushes = False
         ex._in_place = ex._in_slots = [False] * len(ex._whole)
     if only is not None:
         ex._graph_layers = [l == only for l in range(layers)]

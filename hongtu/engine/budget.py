@@ -302,7 +302,6 @@ def _estimate(model: GNN, sizes: ChunkSizes, itemsize: int, training: bool, num_
     fixed += num_nodes * 11  # labels (int64) and three masks (bool)
     fixed += flush_pieces_bytes(model, max_dst, itemsize) if training else 0
     fixed += _FIXED_EXTRA
-    cached = model.cached_layers() if cached is None else cached
     return int(fixed + _SLACK * max(_batch_bytes(model, sizes, itemsize, training, cached,
                                                   exchange, direct)))
 
@@ -335,14 +334,13 @@ def batch_bytes(model: GNN, sizes: ChunkSizes, itemsize: int = 4, training: bool
     times its slack; ``bench/bench_memory.py`` sets each beside the measured
     peak of the layer's passes."""
     with ops.planning_for(device):
-        return _batch_bytes(model, sizes, itemsize, training,
-                            model.cached_layers() if cached is None else cached,
-                            exchange, direct)
+        return _batch_bytes(model, sizes, itemsize, training, cached, exchange, direct)
 
 
 def _batch_bytes(model: GNN, sizes: ChunkSizes, itemsize: int, training: bool,
-                 cached: list[bool], exchange: bool, direct: bool) -> list[int]:
+                 cached: list[bool] | None, exchange: bool, direct: bool) -> list[int]:
     widths, true = model.row_widths(), model.widths()
+    cached = model.cached_layers() if cached is None else cached
     fused = itemsize == 4 and ops.fused_dropout()
     masks = training and model.p > 0
     here = aggregates_in_place(model, cached, exchange, direct)

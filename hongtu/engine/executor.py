@@ -1001,7 +1001,6 @@ class Executor:
         here = aggregates_in_place(model, self.cached, comm is not None, self._direct)
         self._in_place = [w and h for w, h in zip(self._whole, here)]
         self._in_slots = [h and not w for w, h in zip(self._whole, here)]
-        self._first_in_slots = self._in_slots[0]
         self._piece = max(chunks.max_rows()[0], 1)  # rows dropped at a time
         # Forward steps take their own rows from the device where they are there.
         self._fwd_own = own_rows_forward(model, self._whole, self._own_at is not None,
@@ -1065,7 +1064,7 @@ class Executor:
         # largest load.
         self._prefetch_in = 1 if self._in_flushes else 0
         self._prefetch_from = self._prefetch_start(int(plan.load_ptr[1]) * widths[0])
-        self._prefetch = (self.mover.overlap and self._first_in_slots
+        self._prefetch = (self.mover.overlap and self._in_slots[0]
                           and self.cached[self._prefetch_in]
                           and self._ordered is not None and self._first_in_place
                           and self._prefetch_from is not None)

@@ -313,11 +313,11 @@ def test_first_layer_aggregates_its_buffer_in_place(layer, parts, chunks, cache_
     model = make_model(layer)
     res, g, ex = chunked_step(model, graph, parts, chunks, "auto", cache_rows=cache_rows,
                               ordered=ordered)
-    assert ex._first_in_slots and not ex._whole[0]
+    assert ex._in_slots[0] and not ex._whole[0]
     ref_loss, ref_grads = reference_step(model, g)
     assert_matches(model, res.loss, ref_loss, ref_grads)
     _, _, plain = chunked_step(model, graph, parts, chunks, "recompute")
-    assert not plain._first_in_slots  # (backward reads the rows again)
+    assert not plain._in_slots[0]  # (backward reads the rows again)
     ex.evaluate(0)
     plain.evaluate(0)
     torch.testing.assert_close(ex.buf.h[-1], plain.buf.h[-1], rtol=1e-5, atol=1e-6)
@@ -943,7 +943,7 @@ def _as_resident(monkeypatch) -> None:
         orig(self, *a, **kw)
         self._direct = self.resident = True
         self._whole = [False] * len(self._whole)  # (as a resident executor has it)
-        self._first_in_slots = self._in_flushes = False
+        self._in_flushes = False
         self._in_place = self._in_slots = [False] * len(self._whole)
 
     monkeypatch.setattr(Executor, "__init__", resident_init)
