@@ -11,11 +11,10 @@ The estimate is per chunk and per layer, the peak of forward and backward:
 * the step of the layer (:func:`batch_bytes`): for a cached layer the larger
   of its forward (sources gathered and dropped out, or, aggregated where
   they lie, :func:`aggregates_in_place`, the adjacency's columns; the
-  aggregate with cuSPARSE's workspace) and its backward (the transpose's
-  output and workspace, or the update's gradients); for a recomputed one
-  its sources, their gradient and the product's workspace beside the
-  aggregate, the output and their gradients (dropout masks where no fused
-  kernel runs); plus the layer's own ``extra_device_bytes``;
+  aggregate) and its backward (the transpose's output, or the update's
+  gradients); for a recomputed one its sources and their gradient beside
+  the aggregate, the output and their gradients (dropout masks where no
+  fused kernel runs); plus the layer's own ``extra_device_bytes``;
 * parameters with their gradients and Adam's two moments, and, where they are
   small enough (:func:`step_ahead`), the copy of the parameters and moments
   the trainer takes each epoch to issue the optimizer step behind backward.
@@ -57,7 +56,7 @@ _AHEAD = 4
 _MASK_BYTES = 5  # dropout: the boolean mask and the masked copy's extra, per element
 # (none when the fused GPU kernel runs, ops.fused_dropout: counted then only for
 # layers with their own forward, whose peaks were measured with it counted)
-# Fixed extras: cuSPARSE workspaces and allocator slack. (The dropout mask is
+# Fixed extras: cuSPARSE's buffers and allocator slack. (The dropout mask is
 # one Triton kernel on GPUs and a numba kernel on CPU: no int64 temporaries.
 # Only the tensor-op fallback, on a GPU without Triton, hashes MASK_BLOCK
 # elements at a time, ~48 B each, about 200 MB more than this estimate.)
@@ -367,13 +366,6 @@ def _batch_bytes(model: GNN, sizes: ChunkSizes, itemsize: int, training: bool,
             act = act + dst * true[l + 1] * (3 * itemsize + out_drop)
         else:  # (its dropout, when the next layer reads h^{l+1} dropped out)
             act = act + dst * w_out * out_drop
-        if training and layer.cacheable and l > 0:
-            # recomputed through autograd, the built-in aggregation's backward
-            # (its transpose) makes the sources' gradient beside their gathered
-            # copy, with a workspace as large (cuSPARSE's SpMM; products-like
-            # SAGE 2x256, layer 1: 1.53 GiB measured against 1.42 counted
-            # without it on an H200, bench_memory.py)
-            act = act + src * w_in * itemsize
         if training and layer.needs_dst and layer.cacheable:
             # a built-in aggregation's layer reading its own rows (SAGE, GIN;
             # recomputed where its own rows are among its sources) holds their
@@ -396,15 +388,15 @@ def _cached_step_bytes(model: GNN, l: int, src, dst, e, itemsize: int, training:
     Forward: the edge weights; the sources gathered (and dropped out), or,
     aggregated where they lie (``in_place``, :func:`aggregates_in_place`), the
     adjacency's columns as rows of the table (int64), unless no fused kernel
-    drops them out there; the aggregate with
-    cuSPARSE's workspace, as large as its output; ``z^{l+1}`` where the next
-    layer transforms first. Backward: the update's (the aggregate's gradient
-    and the output rows'), or, where the layer's inputs take a gradient (not
-    the first), the aggregation's transpose, whose output (the sources'
-    gradient) comes with a workspace as large, beside the aggregate's
-    gradient (or the gradient dropped out, where the layer drops its inputs:
-    the workspace is free by then). A layer reading its own rows also holds
-    their gradient and the transpose's edge weights."""
+    drops them out there; the aggregate (the sparse product writes it into
+    its own input, ``ops._csr_mm``: no copy beside it, and cuSPARSE's
+    buffer is under a MiB); ``z^{l+1}`` where the next layer transforms
+    first. Backward: the update's (the aggregate's gradient and the output
+    rows'), or, where the layer's inputs take a gradient (not the first),
+    the aggregation's transpose, whose output (the sources' gradient) lies
+    beside the aggregate's gradient (or the gradient dropped out, where the
+    layer drops its inputs). A layer reading its own rows also holds their
+    gradient and the transpose's edge weights."""
     widths, true = model.row_widths(), model.widths()
     w_in, w_out = widths[l], widths[l + 1]
     layer = model.layers[l]
@@ -416,12 +408,12 @@ def _cached_step_bytes(model: GNN, l: int, src, dst, e, itemsize: int, training:
     # dropped out as they arrive take as much as a gathered chunk's)
     gathered = e * 8 if in_place and not unfused else sources * (2 if drops else 1) + mask
     z = dst * w_out * itemsize if w_out != true[l + 1] else 0
-    forward = e * itemsize + gathered + 2 * dst * w_in * itemsize + z
+    forward = e * itemsize + gathered + dst * w_in * itemsize + z
     if not training:
         return forward
     own = dst * w_in * itemsize + e * itemsize if layer.needs_dst else 0
     update = e * itemsize + dst * (w_in + w_out) * itemsize + own
-    transpose = e * itemsize + 2 * sources + dst * w_in * itemsize + mask + own \
+    transpose = e * itemsize + sources + dst * w_in * itemsize + mask + own \
         if l > 0 else 0
     return np.maximum(forward, np.maximum(update, transpose))
 

@@ -65,13 +65,15 @@ def _csr_mm(indptr: Tensor, indices: Tensor, values: Tensor, x: Tensor, nrows: i
     a = torch.sparse_csr_tensor(indptr, indices, values.to(x.dtype).contiguous(),
                                 size=(nrows, shape[0]),
                                 check_invariants=False)
-    if x2.is_cuda:
-        # beta=0: the output is not read (cuSPARSE writes every row), so it
-        # need not be zeroed first, as ``a @ x2`` does (0.1-0.4 ms a pass of
-        # 16 blocks on products-like)
-        out = torch.addmm(x2.new_empty((nrows, x2.shape[1])), a, x2, beta=0)
-    else:
-        out = a @ x2
+    # Written into its own input (``out=``): out of place, ``torch.addmm`` on a
+    # CSR matrix allocates its result beside that input and copies the input
+    # in, ``beta=0`` or not (``a @ x2`` does the same with zeros): twice the
+    # output's bytes at the peak and a copy as large.
+    # On a GPU, beta=0 leaves the output unread (cuSPARSE writes every row), so
+    # it need not be zeroed first (0.1-0.4 ms a pass of 16 blocks on
+    # products-like); a CPU without MKL scales what is there by beta instead.
+    out = (x2.new_empty if x2.is_cuda else x2.new_zeros)((nrows, x2.shape[1]))
+    torch.addmm(out, a, x2, beta=0, out=out)
     return out.reshape((nrows,) + tuple(shape[1:]))
 
 

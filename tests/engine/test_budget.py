@@ -429,8 +429,9 @@ def test_layers_aggregating_in_place_count_no_gathered_sources():
     of a lone process, a layer reading its rows as kept) counts no gathered copy
     of them; one of several processes gathers and drops the first layer's
     sources, and one resident process every layer's. A layer whose inputs take
-    a gradient counts, in backward, the transpose's output and cuSPARSE's
-    workspace as large (both measured on an H200, bench/bench_memory.py)."""
+    a gradient counts, in backward, the transpose's output, and no copy of it
+    beside (the product writes into its own input; measured on an H200,
+    bench/bench_memory.py)."""
     g = CASES["skewed"](seed=0)
     p = chunk_partition(g, np.zeros(g.num_nodes, dtype=np.int64), 4, num_parts=1)
     sizes = chunk_sizes(g, p.perm, p.chunk_ptr)
@@ -448,14 +449,14 @@ def test_layers_aggregating_in_place_count_no_gathered_sources():
 
     one, several, resident = terms(), terms(exchange=True), terms(direct=True)
     assert several[0] > one[0] and several[1] == one[1]
-    assert resident[0] == several[0] and resident[1] >= one[1]
+    assert resident[0] == several[0]
     # (forward alone, the second layer gathers its sources only when resident:
     # 4 bytes per source and column, where in place the adjacency's columns
     # take 8 per edge; here, 3 columns wide, the copy is the smaller)
     assert terms(training=False, direct=True)[1] < terms(training=False)[1]
     src, dst, e = (int(x.max()) for x in (sizes.num_src, sizes.num_dst, sizes.num_edges))
     w = model.row_widths()[1]
-    assert one[1] >= e * 4 + 2 * src * w * 4 + dst * w * 4  # (with the block on top)
+    assert one[1] >= e * 4 + src * w * 4 + dst * w * 4  # (with the block on top)
     # the estimate is its fixed part and the largest of these, with slack
     from hongtu.engine import budget
 

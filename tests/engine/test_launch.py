@@ -104,12 +104,12 @@ def test_two_ranks_plan_one_chunk_count_more_alike(tmp_path):
                  "engine.chunks=auto", "--metrics", f"{tmp_path}/m.jsonl")
     assert out.returncode == 0, out.stderr
     said = [x for x in out.stdout.splitlines() if x.startswith("engine.chunks=auto: ")]
-    assert len(said) == 1 and said[0].startswith("engine.chunks=auto: 16 chunks per part, "
+    assert len(said) == 1 and said[0].startswith("engine.chunks=auto: 12 chunks per part, "
                                                  "the fewest that fit") \
-        and said[0].endswith(": 24 taken"), out.stdout
-    assert "2 part(s) x 24 chunk(s)" in out.stdout
+        and said[0].endswith(": 16 taken"), out.stdout
+    assert "2 part(s) x 16 chunk(s)" in out.stdout
     ref = hongtu(tmp_path, f"output.dir={tmp_path}/ref", "engine.parts=2", *args,
-                 "engine.chunks=24", "--metrics", f"{tmp_path}/ref.jsonl")
+                 "engine.chunks=16", "--metrics", f"{tmp_path}/ref.jsonl")
     assert ref.returncode == 0, ref.stderr
     assert_same_losses(records(tmp_path / "m.jsonl"), records(tmp_path / "ref.jsonl"))
 

@@ -498,6 +498,29 @@ def test_cuda_sparse_product_writes_every_row():
         assert (out[[0, 2, 4]] == 0).all()
 
 
+@pytest.mark.gpu
+def test_cuda_sparse_product_holds_its_output_once():
+    """The product is written into its own input: at its peak the device holds
+    the output once and cuSPARSE's small buffer (out of place, ``torch.addmm``
+    on a CSR matrix allocates its result beside that input and copies it in:
+    twice the output)."""
+    g = torch.Generator().manual_seed(0)
+    n, m, w, e = 20_000, 30_000, 256, 200_000
+    rows = torch.sort(torch.randint(0, n, (e,), generator=g)).values
+    indptr = torch.zeros(n + 1, dtype=torch.int64)
+    indptr[1:] = torch.cumsum(torch.bincount(rows, minlength=n), 0)
+    indices = torch.randint(0, m, (e,), generator=g).cuda()
+    values, indptr = torch.rand(e, generator=g).cuda(), indptr.cuda()
+    x = torch.randn(m, w, device="cuda")
+    ops._csr_mm(indptr, indices, values, x, n)  # (cuSPARSE's handle made once)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = ops._csr_mm(indptr, indices, values, x, n)
+    rise = torch.cuda.max_memory_allocated() - before
+    assert out.numel() * 4 <= rise < 1.2 * out.numel() * 4
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_linear_has_the_gradients_of_torch_linear(bias):
     """ops.linear: the bias gradient as a matrix-vector product, the same value."""
