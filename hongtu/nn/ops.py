@@ -65,10 +65,10 @@ def _csr_mm(indptr: Tensor, indices: Tensor, values: Tensor, x: Tensor, nrows: i
     a = torch.sparse_csr_tensor(indptr, indices, values.to(x.dtype).contiguous(),
                                 size=(nrows, shape[0]),
                                 check_invariants=False)
-    # Written into its own input (``out=``): out of place, ``torch.addmm`` on a
-    # CSR matrix allocates its result beside that input and copies the input
-    # in, ``beta=0`` or not (``a @ x2`` does the same with zeros): twice the
-    # output's bytes at the peak and a copy as large.
+    # One tensor is both the input and ``out``: out of place, ``torch.addmm``
+    # on a CSR matrix allocates its result beside the input and copies the
+    # input in, ``beta=0`` or not (``a @ x2`` does the same with zeros): twice
+    # the output's bytes at the peak and a copy as large.
     # On a GPU, beta=0 leaves the output unread (cuSPARSE writes every row), so
     # it need not be zeroed first (0.1-0.4 ms a pass of 16 blocks on
     # products-like); a CPU without MKL scales what is there by beta instead.
