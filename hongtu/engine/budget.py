@@ -391,12 +391,13 @@ def _cached_step_bytes(model: GNN, l: int, src, dst, e, itemsize: int, training:
     drops them out there; the aggregate (the sparse product writes it into
     its own input, ``ops._csr_mm``: no copy beside it, and cuSPARSE's
     buffer is under a MiB); ``z^{l+1}`` where the next layer transforms
-    first. Backward: the update's (the aggregate's gradient and the output
-    rows'), or, where the layer's inputs take a gradient (not the first),
-    the aggregation's transpose, whose output (the sources' gradient) lies
-    beside the aggregate's gradient (or the gradient dropped out, where the
-    layer drops its inputs). A layer reading its own rows also holds their
-    gradient and the transpose's edge weights."""
+    first. Backward: the update's (the aggregate's gradient, or the wider
+    gradient through the next layer's map where that layer transforms
+    first, and the output rows'), or, where the layer's inputs take a
+    gradient (not the first), the aggregation's transpose, whose output (the
+    sources' gradient) lies beside the aggregate's gradient (or the gradient
+    dropped out, where the layer drops its inputs). A layer reading its own
+    rows also holds their gradient and the transpose's edge weights."""
     widths, true = model.row_widths(), model.widths()
     w_in, w_out = widths[l], widths[l + 1]
     layer = model.layers[l]
@@ -412,7 +413,15 @@ def _cached_step_bytes(model: GNN, l: int, src, dst, e, itemsize: int, training:
     if not training:
         return forward
     own = dst * w_in * itemsize + e * itemsize if layer.needs_dst else 0
-    update = e * itemsize + dst * (w_in + w_out) * itemsize + own
+    # Where the next layer transforms first, the model's written-out backward
+    # takes the gradient through that layer's map, as wide as this layer's
+    # output, beside z^{l+1} and the gradient through ReLU-dropout (the layer's
+    # own two rows); the aggregate's gradient comes after it is freed. (R-MAT
+    # 2^22 GCN 2x256 on an H200, layer 0's backward: three 256-wide rows per
+    # destination, bench_memory.py --sites; with 8 input columns the count had
+    # been 0.76 of them and the chunk's block.)
+    w_grad = max(w_in, true[l + 1]) if w_out != true[l + 1] else w_in
+    update = e * itemsize + dst * (w_grad + w_out) * itemsize + own
     transpose = e * itemsize + sources + dst * w_in * itemsize + mask + own \
         if l > 0 else 0
     return np.maximum(forward, np.maximum(update, transpose))

@@ -39,6 +39,7 @@ from hongtu.engine.executor import (
 )
 from hongtu.errors import UserError
 from hongtu.graph._kernels import RunBitmaps
+from hongtu.graph.generators import sbm_graph
 from hongtu.nn import GCN, GNN, GNNLayer, ops
 from hongtu.nn.model import resolve_layer
 from hongtu.partition import chunk_partition
@@ -465,6 +466,26 @@ def test_layers_aggregating_in_place_count_no_gathered_sources():
             - int(budget._SLACK * most)
         assert fixed == estimate_device_bytes(model, sizes, device="cuda") \
             - int(budget._SLACK * max(one))
+
+
+@pytest.mark.parametrize("features", [8, 100])
+def test_a_layer_before_one_transforming_first_counts_three_output_rows(features):
+    """Where the next layer transforms first, a cached layer's written-out
+    backward holds three rows of its output's width per destination (z, the
+    gradient through the next layer's map and the one through ReLU-dropout:
+    measured on an H200, bench/bench_memory.py --sites) beside the next layer's
+    narrow gradient and the chunk's block; the count covers them however few
+    input columns the layer has."""
+    g = sbm_graph(6000, num_classes=16, num_features=features, avg_degree=4, seed=0)
+    p = chunk_partition(g, np.zeros(g.num_nodes, dtype=np.int64), 4, num_parts=1)
+    sizes = chunk_sizes(g, p.perm, p.chunk_ptr)
+    torch.manual_seed(0)
+    model = GNN([GCN(features, 256), GCN(256, 16)], dropout=0.5, activation="relu",
+                transform_first=True, keep_dropped=True)
+    assert model.row_widths()[1] == 16 and model.widths()[1] == 256
+    dst, e = sizes.num_dst.astype(np.int64), sizes.num_edges.astype(np.int64)
+    held = 4 * dst * (3 * 256 + 16) + 24 * e  # (the block: 24 B per edge measured)
+    assert batch_bytes(model, sizes, device="cuda")[0] >= held.max()
 
 
 def test_a_budget_above_the_gpus_free_memory_is_one_clear_line():
