@@ -65,15 +65,20 @@ def _csr_mm(indptr: Tensor, indices: Tensor, values: Tensor, x: Tensor, nrows: i
     a = torch.sparse_csr_tensor(indptr, indices, values.to(x.dtype).contiguous(),
                                 size=(nrows, shape[0]),
                                 check_invariants=False)
-    # One tensor is both the input and ``out``: out of place, ``torch.addmm``
-    # on a CSR matrix allocates its result beside the input and copies the
-    # input in, ``beta=0`` or not (``a @ x2`` does the same with zeros): twice
-    # the output's bytes at the peak and a copy as large.
     # On a GPU, beta=0 leaves the output unread (cuSPARSE writes every row), so
     # it need not be zeroed first (0.1-0.4 ms a pass of 16 blocks on
     # products-like); a CPU without MKL scales what is there by beta instead.
     out = (x2.new_empty if x2.is_cuda else x2.new_zeros)((nrows, x2.shape[1]))
-    torch.addmm(out, a, x2, beta=0, out=out)
+    if torch.is_grad_enabled() and (x2.requires_grad or a.requires_grad):
+        # (under autograd, as a custom layer may call aggregate_transpose:
+        # ``out=`` takes no gradient)
+        out = torch.addmm(out, a, x2, beta=0)
+    else:
+        # One tensor is both the input and ``out``: out of place,
+        # ``torch.addmm`` on a CSR matrix allocates its result beside the input
+        # and copies the input in, ``beta=0`` or not (``a @ x2`` does the same
+        # with zeros): twice the output's bytes at the peak and a copy as large.
+        torch.addmm(out, a, x2, beta=0, out=out)
     return out.reshape((nrows,) + tuple(shape[1:]))
 
 

@@ -177,6 +177,9 @@ def test_aggregate_matches_dense(block, op):
     g = torch.randn(block.num_dst, 4, dtype=torch.float64)
     torch.testing.assert_close(ops.aggregate_transpose(block, g, op), a_dense.t() @ g,
                                rtol=0, atol=1e-12)
+    if block.num_dst:  # (differentiable too, as a custom layer may call it)
+        g2 = g[:, :2].clone().requires_grad_()
+        assert torch.autograd.gradcheck(lambda g: ops.aggregate_transpose(block, g, op), (g2,))
 
 
 @pytest.mark.parametrize("op", ops.BUILTIN_AGGREGATIONS)
