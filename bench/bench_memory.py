@@ -15,11 +15,13 @@ Run (GPU machine)::
 
     python bench/bench_memory.py rmat22 --models gcn2,gcn3,gat2
 
-``--sites N`` records the allocator's history through the measured epoch
-(``torch.cuda.memory._record_memory_history``) and lists, for every pass,
-what its peak held that the pass had allocated, by the line of hongtu that
-allocated it (the N largest), and what it had freed of what the pass began
-with.
+``--sites N`` records the allocator's history from the trainer's setup on
+(``torch.cuda.memory._record_memory_history``) and lists, for every pass of
+the measured epoch, what its peak held that the pass had allocated, by the
+line of hongtu that allocated it (the N largest), what it had freed of what
+the pass began with, and what the pass began with, by the same lines
+(``start_sites``; the setup's buffers, rows kept across passes: what the
+estimate counts outside the batch).
 
 Prints a table per model and writes
 ``bench/results/memory_<workload>_<device>.json`` (``--tag`` prefixes the
@@ -66,12 +68,19 @@ def _is_mark(ev: dict) -> bool:
                for f in ev.get("frames", ()))
 
 
+def _top(sites: dict[str, int], top: int) -> dict[str, int]:
+    return dict(sorted(sites.items(), key=lambda kv: -kv[1])[:top])
+
+
 def pass_sites(trace: list[dict], top: int) -> list[dict]:
     """Replay an allocator history (one device's ``device_traces`` of
     ``torch.cuda.memory._snapshot()``, passes started by :func:`_mark_pass`):
     per pass, its peak rise above its start (``rise``), and at that peak the
     bytes it had allocated and still held by site (the ``top`` largest) and
-    the bytes it had freed of what it began with (``freed_earlier``)."""
+    the bytes it had freed of what it began with (``freed_earlier``); and
+    what was held as it began, by site (``start_sites``, the ``top`` largest,
+    of ``start_traced`` bytes: allocations made before the history began are
+    not in it)."""
     out: list[dict] = []
     live: dict[int, tuple[int, str, int]] = {}
     k, cur, freed = -1, 0, 0
@@ -80,7 +89,12 @@ def pass_sites(trace: list[dict], top: int) -> list[dict]:
         if act == "alloc":
             if _is_mark(ev):
                 k, cur, freed = k + 1, 0, 0
-                out.append({"rise": 0, "sites": {}, "freed_earlier": 0, "mark": addr})
+                held: dict[str, int] = {}
+                for sz, site, _ in live.values():
+                    held[site] = held.get(site, 0) + sz
+                out.append({"rise": 0, "sites": {}, "freed_earlier": 0, "mark": addr,
+                            "start_sites": _top(held, top),
+                            "start_traced": sum(held.values())})
                 continue
             live[addr] = (size, _site(ev.get("frames", [])), k)
             cur += size
@@ -100,7 +114,7 @@ def pass_sites(trace: list[dict], top: int) -> list[dict]:
                 freed += size
     for rec in out:
         rec.pop("mark")
-        rec["sites"] = dict(sorted(rec["sites"].items(), key=lambda kv: -kv[1])[:top])
+        rec["sites"] = _top(rec["sites"], top)
     return out
 
 
@@ -134,6 +148,11 @@ def run_model(args, name: str, budget) -> dict:
                        args.workdir, args.epochs + 1, chunks=args.chunks,
                        accelerator=args.accelerator, device_memory=budget,
                        **SYSTEMS[args.system])
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else None
+    if args.sites and dev is not None:  # (from the setup on: what the passes begin with)
+        torch.cuda.memory._record_memory_history(max_entries=4_000_000, context="alloc",
+                                                 stacks="python", device=dev)
     tr = Trainer(cfg, overwrite=True, out=lambda s: None)
     cuda = tr.device.type == "cuda"
     for e in range(args.epochs):
@@ -147,9 +166,6 @@ def run_model(args, name: str, budget) -> dict:
            "slack": _SLACK, "batch_estimate_bytes": est, "layers": []}
     if cuda:
         torch.cuda.reset_peak_memory_stats(tr.device)
-        if args.sites:
-            torch.cuda.memory._record_memory_history(max_entries=4_000_000, context="alloc",
-                                                     stacks="python", device=tr.device)
         passes = measure_passes(tr, args.epochs)
         if args.sites:
             snap = torch.cuda.memory._snapshot(tr.device)
@@ -160,6 +176,8 @@ def run_model(args, name: str, budget) -> dict:
         rec["peak_device_bytes"] = max(p["peak"] for p in passes)
         names = pass_names(L)[:len(passes)]
         rec["passes"] = dict(zip(names, passes))
+    elif args.sites and dev is not None:  # (a CPU run on a GPU machine)
+        torch.cuda.memory._record_memory_history(None, device=dev)
     for l in range(L):
         row = {"layer": l, "batch_estimate_bytes": est[l]}
         if cuda:
@@ -246,6 +264,10 @@ def main() -> int:
                   f"{format_size(p['peak'] - p['start'])}), freed of its start "
                   f"{format_size(p['freed_earlier'])}", flush=True)
             for site, size in p["sites"].items():
+                print(f"    {format_size(size):>11}  {site}", flush=True)
+            print(f"    began with {format_size(p['start'])}, of which traced "
+                  f"{format_size(p['start_traced'])}:", flush=True)
+            for site, size in p["start_sites"].items():
                 print(f"    {format_size(size):>11}  {site}", flush=True)
     out = Path(args.out) / f"{args.tag}memory_{args.workload}_{tag}.json"
     out.write_text(json.dumps(result, indent=2))
