@@ -215,7 +215,8 @@ def main() -> int:
     ap.add_argument("--epochs", type=int, default=2,
                     help="epochs before the measured one (default 2)")
     ap.add_argument("--sites", type=int, default=0, metavar="N",
-                    help="per pass, the N largest allocation sites held at its peak")
+                    help="per pass, the N largest allocation sites held at its peak and "
+                         "as it began")
     ap.add_argument("--tag", default="", help="prefix of the result file's name")
     ap.add_argument("--workdir", default="/tmp/hongtu_memory")
     ap.add_argument("--out", default=str(RESULTS))
