@@ -119,7 +119,7 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
              early: list[bool] | None = None, first: tuple[int, int] = (0, 0),
              own: list[bool] | None = None, own_forward: list[bool] | None = None,
              into_first: bool = False, blocks: list[tuple[int, int]] | None = None,
-             narrow: bool = False, d2d_rows: int = 0) -> dict:
+             narrow: bool = False, d2d_rows: int = 0, agg_once: bool = False) -> dict:
     """Bytes of one training step (forward, loss, backward) as the executor moves them.
 
     ``cached[l]``: layer ``l``'s backward reads no rows, ``stored[l]``: its
@@ -153,11 +153,15 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
     (:func:`_block_bytes`; none where they stay on the device). ``narrow``:
     training writes layer 1's rows in first-load order as the first layer's
     aggregates (:func:`~hongtu.engine.executor.first_aggregates_ordered`), as
-    wide as ``h^0``. ``d2d_rows``: the rows all devices send one another per
-    pass (the plan's): every forward pass (evaluation's too) and the backward
-    reload of a layer that is not cached send them at its width, and every
-    backward pass but the first layer's returns their gradients
-    (``d2d_bytes``, ``evaluation_d2d_bytes``).
+    wide as ``h^0``; with ``agg_once`` stored once, in that order
+    (:func:`~hongtu.engine.executor.aggregates_in_load_order`): no loaded row
+    goes out a second time, and each chunk's positions (8 bytes a row)
+    replace the loaded rows' index arrays of the first layer's pass.
+    ``d2d_rows``: the rows all devices send one another per pass (the plan's):
+    every forward pass (evaluation's too) and the backward reload of a layer
+    that is not cached send them at its width, and every backward pass but
+    the first layer's returns their gradients (``d2d_bytes``,
+    ``evaluation_d2d_bytes``).
     """
     n = num_nodes
     ordered = list(ordered or []) + [False] * (len(widths) - len(ordered or []))
@@ -176,7 +180,8 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
         # (h^m left on the device in training, not in evaluation)
         m = hand.rows_layer
         # h^{l+1} (∇h^L) stored; in training the first layer's aggregates for layer 1
-        made = 0 if rows_kept and l == m - 1 else (
+        once = l == 0 and agg_once
+        made = 0 if (rows_kept and l == m - 1) or once else (
             loaded - first[1] * early[l + 1] if ordered[l + 1] else n) * (
             row if l == 0 and narrow else out)
         # (layer 1's loads in training: as wide as h^0 where they are aggregates)
@@ -201,7 +206,8 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
             "range_h2d_bytes": dst_fwd + dst_bwd + (
                 0 if kept[l + 1] or (l == 0 and into_first) else n * out),
             # where rows written in first-load order go and come from
-            "index_h2d_bytes": index[0] * ordered[l + 1] + index[1] * ordered[l],
+            "index_h2d_bytes": (8 * n if once else index[0]) * ordered[l + 1]
+            + index[1] * ordered[l],
             # the chunks' blocks (graph structure), forward and backward
             "block_h2d_bytes": blocks[l][0] + blocks[l][1],
             # h^{l+1}[V] (∇h^L for the last layer), ∇h^l[V] of the own rows
@@ -554,6 +560,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         takes_more_chunks,
     )
     from hongtu.engine.executor import (
+        aggregates_in_load_order,
         early_layers,
         first_aggregates_ordered,
         first_backward_in_flushes,
@@ -680,9 +687,10 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         fwd = own_rows_forward(model, hand.whole, own_read)
         # (blocks are copied pass by pass on a GPU where they do not stay there)
         blocks = _block_bytes(model, s, cached, n, itemsize, into) if gpu else None
+        agg_once = aggregates_in_load_order(narrow, into)
         out = _traffic(widths, cached, stored, needs_dst, itemsize, n, plan.h2d_rows,
                        plan.d2h_rows, hand, ordered, sum(counts), index, held, early, first,
-                       own, fwd, into, blocks, narrow, plan.d2d_rows)
+                       own, fwd, into, blocks, narrow, plan.d2d_rows, agg_once)
         # (host copies in load order, one process's: the inputs' loads, the rows' first loads)
         loads = max(int(p.load_ids.shape[0]) for p in plan.plans)
         # (the most elements one gradient flush stages in pinned host memory, of any
@@ -700,7 +708,8 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
             if gpu and e.ordered_inputs and e.overlap and not hand.whole[0] else 0,
             max(counts, default=0) * itemsize * sum(
                 widths[0] if m == 1 and narrow else w
-                for m, (w, o) in enumerate(zip(widths, ordered)) if o))
+                for m, (w, o) in enumerate(zip(widths, ordered))
+                if o and not (m == 1 and agg_once)))
         return out
 
     t0 = time.perf_counter()

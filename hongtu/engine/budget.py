@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from hongtu.config import format_size
 from hongtu.errors import UserError
@@ -195,13 +196,17 @@ def grown_row_memory(memory: int, spare_bytes: int | None, num_rows: int, widths
     return max([n for n in needs if n is not None and n <= top] + [int(memory)])
 
 
-def flush_piece_rows(width: int, itemsize: int, max_rows: int) -> int:
+def flush_piece_rows(width: int, itemsize: int, max_rows: int, reserve: int = 0) -> int:
     """Rows of a piece of the first layer's backward run on layer 1's flushes
     (:func:`~hongtu.engine.executor.first_backward_in_flushes`): at most
     :data:`FLUSH_PIECE_BYTES` of aggregates ``width`` wide and no more than a
     chunk's ``max_rows`` destinations (what that layer's own backward step
-    computes on at once)."""
-    return max(1, min(int(max_rows), FLUSH_PIECE_BYTES // max(1, width * itemsize)))
+    computes on at once), each of the two pieces giving up half of
+    ``reserve`` bytes (:func:`aggregate_positions_bytes`), down to a quarter
+    of its rows."""
+    row = max(1, width * itemsize)
+    rows = max(1, min(int(max_rows), FLUSH_PIECE_BYTES // row))
+    return max(rows - -(-int(reserve) // (2 * row)), -(-rows // 4))
 
 
 def first_layer_may_fold(model: GNN) -> bool:
@@ -214,15 +219,33 @@ def first_layer_may_fold(model: GNN) -> bool:
     return model.num_layers >= 2 and first.cacheable and not first.needs_dst
 
 
-def flush_pieces_bytes(model: GNN, max_rows: int, itemsize: int) -> int:
+def aggregate_positions_bytes(model: GNN, num_nodes: int, gpu: bool) -> int:
+    """Device bytes of where each row's first-layer aggregate lies in host
+    memory (int32 per row) where training on a GPU may store ``a^0`` once, in
+    the order layer 1 first loads it (:func:`~hongtu.engine.executor.aggregates_in_load_order`),
+    and gather it from there for the first layer's backward on layer 1's
+    flushes: where the model may run that backward (:func:`first_layer_may_fold`)
+    and its aggregates are narrower than layer 1's rows (whether the plan
+    lets it is known after the estimate: counted either way)."""
+    widths = model.row_widths()
+    if not gpu or not first_layer_may_fold(model) or widths[0] >= widths[1]:
+        return 0
+    return 4 * int(num_nodes)
+
+
+def flush_pieces_bytes(model: GNN, max_rows: int, itemsize: int, num_nodes: int = 0,
+                       gpu: bool = False) -> int:
     """Device bytes of the two pieces of aggregates the first layer's backward
     on layer 1's flushes gathers, where the model may run it
     (:func:`first_layer_may_fold`; whether the plan lets it is known after the
-    estimate: counted either way)."""
+    estimate: counted either way), and of their rows' positions
+    (:func:`aggregate_positions_bytes`, of ``num_nodes`` rows on a ``gpu``),
+    which the pieces make room for."""
     if not first_layer_may_fold(model):
         return 0
     w = model.row_widths()[0]
-    return 2 * flush_piece_rows(w, itemsize, max_rows) * w * itemsize
+    reserve = aggregate_positions_bytes(model, num_nodes, gpu)
+    return 2 * flush_piece_rows(w, itemsize, max_rows, reserve) * w * itemsize + reserve
 
 
 def slot_widths(model: GNN, cached: list[bool] | None = None,
@@ -280,14 +303,17 @@ def estimate_device_bytes(model: GNN, sizes: ChunkSizes, itemsize: int = 4,
             the first layer gathers its sources, :func:`aggregates_in_place`).
     """
     with ops.planning_for(device):
+        gpu = device == "cuda" if device is not None else torch.cuda.is_available()
         return _estimate(model, sizes, itemsize, training, num_nodes, buffer_rows, overlap,
-                         load_rows, resident, copied_dst, direct, cached, exchange)
+                         load_rows, resident, copied_dst, direct, cached, exchange,
+                         gpu and not resident)
 
 
 def _estimate(model: GNN, sizes: ChunkSizes, itemsize: int, training: bool, num_nodes: int,
               buffer_rows: int | None, overlap: bool, load_rows: int | None, resident: bool,
               copied_dst: list[bool] | None, direct: bool = False,
-              cached: list[bool] | None = None, exchange: bool = False) -> int:
+              cached: list[bool] | None = None, exchange: bool = False,
+              gpu: bool = False) -> int:
     widths = model.row_widths()
     max_src, max_dst = int(sizes.num_src.max()), int(sizes.num_dst.max())
     rows = 1 if direct else max_src if buffer_rows is None else int(buffer_rows)
@@ -299,7 +325,7 @@ def _estimate(model: GNN, sizes: ChunkSizes, itemsize: int, training: bool, num_
     params = sum(p.numel() for p in model.parameters()) * itemsize
     fixed += params * (4 + 3 * step_ahead(params))
     fixed += num_nodes * 11  # labels (int64) and three masks (bool)
-    fixed += flush_pieces_bytes(model, max_dst, itemsize) if training else 0
+    fixed += flush_pieces_bytes(model, max_dst, itemsize, num_nodes, gpu) if training else 0
     fixed += _FIXED_EXTRA
     return int(fixed + _SLACK * max(_batch_bytes(model, sizes, itemsize, training, cached,
                                                   exchange, direct)))

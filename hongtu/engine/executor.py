@@ -41,6 +41,7 @@ from torch import Tensor
 from hongtu.config import EngineConfig
 from hongtu.dedup import DevicePlan
 from hongtu.engine.budget import (
+    aggregate_positions_bytes,
     aggregates_in_place,
     first_layer_may_fold,
     first_layer_stores,
@@ -430,6 +431,9 @@ class _FirstLoads:
     chunks: dict
     #: per chunk: the sizes of the first two groups (:attr:`chunks`)
     split: dict
+    #: the rows loaded (ascending) and the ``cid`` of each
+    rows: np.ndarray
+    cid: np.ndarray
 
     def largest(self) -> tuple[int, int]:
         """Elements of the longest chunk array and of the longest step array
@@ -478,7 +482,69 @@ def _first_loads(plan: DevicePlan, chunks: ChunkSet, pin: bool) -> _FirstLoads:
         host = pinned_copies(host)
     steps = [(again, t) for (again, _), t in zip(arrays, host)]
     return _FirstLoads(int(uniq.shape[0]), run, steps,
-                       dict(zip(places, host[len(arrays):])), split)
+                       dict(zip(places, host[len(arrays):])), split, uniq, cid_of_uniq)
+
+
+def aggregates_in_load_order(narrow: bool, into_first: bool) -> bool:
+    """Whether a training forward pass stores the first layer's aggregates
+    ``a^0`` once, where layer 1 loads them (:class:`_AggregateLayout`: the rows
+    it loads in first-load order, then the others in row order), instead of
+    in row order and the loaded rows again in first-load order: where layer
+    1's rows are made from them (``narrow``, :func:`first_aggregates_ordered`)
+    and the first layer's backward runs on layer 1's flushes (``into_first``,
+    :func:`first_backward_in_flushes`), which gathers the flushed rows'
+    aggregates through their positions (:func:`~hongtu.engine.budget.aggregate_positions_bytes`).
+    Each chunk's aggregate goes out as one contiguous copy per step that
+    first loads rows of it, and one for the rest (DMA on a GPU), compacted on
+    the device first: ``|V|`` rows a pass instead of ``|V|`` plus the loaded
+    ones, the loaded ones scattered row by row. GCN 3×256 on an H200
+    (``bench/HISTORY.md``): the first layer's forward pass 30.5 against 52–60
+    ms on products-like, epochs 0.194–0.213 against 0.216–0.221 s there and
+    0.315–0.318 against 0.347 s on R-MAT 2^22."""
+    return narrow and into_first
+
+
+@dataclass
+class _AggregateLayout:
+    """Where a training forward pass stores the first layer's aggregates
+    (:func:`aggregates_in_load_order`): row ``v``'s at ``pos[v]``."""
+
+    #: per local row, its position (device; int32 on a GPU)
+    pos: Tensor
+    #: positions below this: the rows layer 1's first step loads
+    first: int
+    #: per chunk: its rows (local to the chunk) by position (pinned int64 on a GPU)
+    orders: dict
+    #: per chunk: its runs ``(position, offset in orders[c], rows)``, by position
+    runs: dict
+
+
+def _aggregate_layout(fl: _FirstLoads, chunks: ChunkSet, n: int,
+                      device: torch.device) -> _AggregateLayout:
+    """The :class:`_AggregateLayout` of ``n`` local rows loaded as ``fl`` says."""
+    pos = np.empty(n, dtype=np.int64)
+    loaded = np.zeros(n, dtype=bool)
+    loaded[fl.rows] = True
+    pos[fl.rows] = fl.cid
+    rest = np.flatnonzero(~loaded)
+    pos[rest] = fl.count + np.arange(rest.shape[0])
+    first = int(fl.run[1]) if fl.run.shape[0] > 1 else 0
+    orders, runs = {}, {}
+    for c in sorted(fl.chunks):
+        v0, v1 = chunks.range(c)
+        order = np.argsort(pos[v0:v1], kind="stable")
+        at = pos[v0:v1][order]
+        # (a run breaks where positions do and where the first step's end)
+        cut = np.flatnonzero((np.diff(at) != 1) | (at[1:] == first)) + 1
+        ends = np.concatenate([cut, [at.shape[0]]]) if at.shape[0] else cut
+        starts = np.concatenate([[0], cut]) if at.shape[0] else cut
+        runs[c] = [(int(at[a]), int(a), int(b - a)) for a, b in zip(starts, ends)]
+        orders[c] = torch.from_numpy(order.astype(np.int64))
+    if device.type == "cuda":
+        orders = dict(zip(orders, pinned_copies(list(orders.values()))))
+    dtype = torch.int32 if device.type == "cuda" and n < 2**31 else torch.int64
+    return _AggregateLayout(torch.from_numpy(pos).to(device=device, dtype=dtype), first,
+                            orders, runs)
 
 
 def first_step_rows(plan: DevicePlan) -> tuple[int, int]:
@@ -934,8 +1000,9 @@ class Executor:
                            stage=self._rowmem[twins:], flush_elements=flushes)
         if self._in_flushes:
             w0 = widths[0]
-            self._flush_piece = flush_piece_rows(w0, buffers.h[0].element_size(),
-                                                 max(chunks.max_rows()[1], 1))
+            self._flush_piece = flush_piece_rows(
+                w0, buffers.h[0].element_size(), max(chunks.max_rows()[1], 1),
+                aggregate_positions_bytes(model, buffers.h[0].shape[0], device.type == "cuda"))
             self._flush_rows = torch.empty((2, self._flush_piece, w0), dtype=self.dtype,
                                            device=device)
             self._flush_free = [None, None]  # (events: compute done with each)
@@ -970,10 +1037,18 @@ class Executor:
         narrow = (device.type == "cuda" if narrow_rows is None else narrow_rows) \
             and first_aggregates_ordered(model, self.stored, may,
                                          early_layers(may, self._whole, hand.kept_layer))
+        # (where a^0 is stored once, in layer 1's load order: its first rows, no copy)
+        once_agg = aggregates_in_load_order(narrow, self._in_flushes) \
+            and buffers.agg[0] is not None \
+            and (device.type != "cuda" or buffers.agg[0].is_pinned())
+        self._agg_layout = None
         for m in range(1, model.num_layers):
             width = widths[0] if m == 1 and narrow else widths[m]
             nbytes = loaded * width * itemsize
-            if may[m] and 0 < nbytes <= room:
+            if m == 1 and may[m] and once_agg and loaded:
+                self._ordered_rows[1] = buffers.agg[0][:loaded]
+                self._agg_layout = _aggregate_layout(self._first_loads, chunks, n, device)
+            elif may[m] and 0 < nbytes <= room:
                 shape = (loaded, width)
                 self._ordered_rows[m] = (pinned_tensor(shape, self.dtype)
                                          if device.type == "cuda"
@@ -983,6 +1058,9 @@ class Executor:
             self._first_loads = None
         else:  # (their index arrays: on a GPU, two in flight for stores and for loads)
             chunk_ids, step_ids = self._first_loads.largest()
+            if self._agg_layout is not None:
+                chunk_ids = max([chunk_ids, *(int(t.numel())
+                                              for t in self._agg_layout.orders.values())])
             spare = self.mover.forward_spare([chunk_ids, step_ids])
             self._store_ids = IndexRing(self.mover, chunk_ids, spare and spare[0])
             self._load_ids = IndexRing(self.mover, step_ids, spare and spare[1])
@@ -1142,8 +1220,11 @@ class Executor:
 
     @property
     def ordered_row_bytes(self) -> int:
-        """Host bytes of the rows written in load order (:attr:`ordered_rows`)."""
-        return sum(t.numel() * t.element_size() for t in self._ordered_rows if t is not None)
+        """Host bytes of the rows written in load order (:attr:`ordered_rows`;
+        none for layer 1's where they are the first layer's aggregates, stored
+        once: :func:`aggregates_in_load_order`)."""
+        return sum(t.numel() * t.element_size() for m, t in enumerate(self._ordered_rows)
+                   if t is not None and not (m == 1 and self._agg_layout is not None))
 
     # ------------------------------------------------------------- helpers
     def _fetch_block(self, c: int, skip: tuple[str, ...] = ()):
@@ -1396,8 +1477,11 @@ class Executor:
                 dst = mv.fetch_range(buf.h[l], v0, v1, "dst") \
                     if layer.needs_dst and not self._fwd_own[l] else None
                 # where its rows go, when the next layer's are written in first-load order
-                places = self._store_ids.fetch(self._first_loads.chunks[c]) \
-                    if train and l + 1 < L and self._ordered_rows[l + 1] is not None else None
+                places = None
+                if train and l + 1 < L and self._ordered_rows[l + 1] is not None:
+                    once = l == 0 and self._agg_layout is not None  # (a^0 stored once)
+                    places = self._store_ids.fetch(self._agg_layout.orders[c] if once
+                                                   else self._first_loads.chunks[c])
                 return rows, dst, ahead[1] if ahead is not None else self._fetch_block(
                     c, self._forward_skip(l)), places
 
@@ -1452,10 +1536,13 @@ class Executor:
                     grad = self._output(out, v0, v1, train, acc,
                                         self._grad_rows(L)[v0:v1] if kept else None) \
                         if l == L - 1 else None
-                if a is not None:
+                once = l == 0 and self._agg_layout is not None and a is not None
+                if a is not None and not once:
                     mv.store_range(buf.agg[l], v0, a)
                 if l == self._rows_layer - 1 and keep:
                     self._whole_rows(l + 1)[v0:v1].copy_(out)
+                elif once:
+                    self._store_aggregates(c, a, out, places)
                 elif l < L - 1 and train and self._ordered_rows[l + 1] is not None:
                     # (layer 1's as the first layer's aggregates, first_aggregates_ordered)
                     value = a if l == 0 and self._narrow else out
@@ -1482,6 +1569,26 @@ class Executor:
 
             self._run_pass(fetch, run)
         return acc
+
+    def _store_aggregates(self, c: int, a: Tensor, out: Tensor, places) -> None:
+        """Store chunk ``c``'s first-layer aggregates ``a`` where layer 1 loads
+        them (:func:`aggregates_in_load_order`): compacted by position on the
+        device, then one copy per run; the rows layer 1's first step loads also
+        go, as the layer's output ``out``, where that step takes them
+        (:meth:`_early`)."""
+        mv, lay = self.mover, self._agg_layout
+        ticket, k = places
+        order = mv.take(ticket)
+        with mv.timing("time_compute_s"):
+            value = a.index_select(0, order)
+            if self._early(1):
+                twin = self._buffer(self._gbuf, out.shape[1])
+                for p, o, rows in lay.runs[c]:
+                    if p >= lay.first:
+                        break
+                    torch.index_select(out, 0, order[o:o + rows], out=twin[p:p + rows])
+        mv.store_runs(self.buf.agg[0], value, lay.runs[c])
+        self._store_ids.release(k, mv.compute)
 
     def _keep_update(self, l: int, c: int, block, a: Tensor, x_dst: Tensor | None, seed: int,
                      nxt: int, dst_dropped: bool) -> Tensor:
@@ -1702,7 +1809,8 @@ class Executor:
             return None
         b = min(a + self._flush_piece, int(ids.shape[0]))
         t = self.mover.gather_rows(self.buf.agg[0], ids[a:b], self._flush_rows[k % 2],
-                                   self._flush_free[k % 2])
+                                   self._flush_free[k % 2],
+                                   self._agg_layout.pos if self._agg_layout is not None else None)
         return t, a, b
 
     def _first_backward_on_flush(self, s: int, gbuf: Tensor, piece, epoch: int) -> None:

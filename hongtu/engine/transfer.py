@@ -390,7 +390,7 @@ class Mover:
         self._adder = _Adder(self.traffic) if self.cuda else None
         if self._adder is not None:
             weakref.finalize(self, self._adder.stop)
-        self._views: dict[int, Tensor] = {}
+        self._views: dict[tuple, Tensor | None] = {}
         self._events: list = []
         self._spare: list = []  # timing events read by fold, to record again
         #: set to ``[]`` to record, at the next :meth:`settle`, every timed piece of
@@ -421,7 +421,7 @@ class Mover:
         the device, its zero-copy device view when pinned, else ``None``."""
         if not self.cuda or host.device.type == "cuda":
             return host
-        key = host.data_ptr()
+        key = (host.data_ptr(), tuple(host.shape))  # (a slice may start where its base does)
         if key not in self._views:
             self._views[key] = device_view(host, self.device) if host.is_pinned() else None
         return self._views[key]
@@ -688,8 +688,10 @@ class Mover:
             ring.release(k, self.compute)
         return True
 
-    def gather_rows(self, host: Tensor, ids: Tensor, out: Tensor, free=None) -> Ticket:
-        """Start ``out[:len(ids)] = host[ids]`` (``ids``: int64 on the device);
+    def gather_rows(self, host: Tensor, ids: Tensor, out: Tensor, free=None,
+                    at: Tensor | None = None) -> Ticket:
+        """Start ``out[:len(ids)] = host[ids]`` (``ids``: int64 on the device; with
+        ``at``, a device array of each row's position in ``host``: ``host[at[ids]]``);
         :meth:`take` gives the rows. On a GPU with overlap a zero-copy gather
         from pinned host memory on a stream of its own, beside the load
         stream's copies (DMA, which the gather kernel would otherwise wait
@@ -699,19 +701,23 @@ class Mover:
         n = int(ids.shape[0])
         self._count(host, "h2d", n, int(host.shape[1]))
         dst, view = out[:n], self._view(host)
+
+        def where() -> Tensor:  # (on the stream that gathers)
+            return ids if at is None else at.index_select(0, ids).long()
+
         if view is None:  # unpinned host memory: gathered on the CPU, then one copy
-            dst.copy_(host.index_select(0, ids.cpu()))
+            dst.copy_(host.index_select(0, where().cpu()))
             return Ticket(dst)
         if not self.overlap or view is host:
             with self.timing("time_h2d_s"):
-                copy_rows(view, dst, ids)
+                copy_rows(view, dst, where())
             return Ticket(dst)
         with self._on(self.s_gather, after_compute=False), \
                 self.timing("time_h2d_s", self.s_gather):
             self._follow(self.s_gather, self.s_out)
             if free is not None:
                 self.s_gather.wait_event(free)
-            copy_rows(view, dst, ids, grid=GATHER_LOADS)
+            copy_rows(view, dst, where(), grid=GATHER_LOADS)
         return Ticket(dst, self._ready_event(self.s_gather))
 
     def fetch_range(self, host: Tensor, start: int, stop: int, slot: str) -> Ticket:
@@ -821,6 +827,21 @@ class Mover:
         value = value.detach()
         with self._on(self.s_out), self.timing("time_d2h_s", self.s_out):
             host[start:start + rows].copy_(value, non_blocking=True)
+        self._keep(value)
+
+    def store_runs(self, host: Tensor, value: Tensor, runs: list) -> None:
+        """``host[p:p+k] = value[o:o+k]`` for each run ``(p, o, k)`` (on the store
+        stream: one DMA copy each on a GPU)."""
+        rows = sum(k for _, _, k in runs)
+        self._count(host, "d2h", rows, int(value.shape[1]) if rows else 0)
+        value = value.detach()
+        if not self.cuda or host.device.type == "cuda":
+            for p, o, k in runs:
+                host[p:p + k].copy_(value[o:o + k])
+            return
+        with self._on(self.s_out), self.timing("time_d2h_s", self.s_out):
+            for p, o, k in runs:
+                host[p:p + k].copy_(value[o:o + k], non_blocking=True)
         self._keep(value)
 
     def _keep(self, value: Tensor) -> None:

@@ -673,3 +673,36 @@ def test_resident_blocks_of_one_process_of_several():
     assert resident_block_bytes(sizes, 4) == sum(each)
     assert resident_block_bytes(sizes, 4, parts=2) == each[2] + each[3]
     assert resident_block_bytes(sizes, 4, parts=4) == max(each)
+
+
+def test_aggregate_positions_come_out_of_the_flush_pieces():
+    """Where training on a GPU may store the first layer's aggregates once, in
+    layer 1's load order (narrower than layer 1's rows, the first layer's
+    backward run on layer 1's flushes), the estimate counts an int32 position
+    per row, and the two pieces the flushes gather give up as many bytes, down
+    to a quarter of their rows: the count stays where the pieces are large
+    enough. None on a CPU, nor where the aggregates are as wide as the rows."""
+    from hongtu.engine import budget
+
+    def model(features: int) -> GNN:
+        return GNN([GCN(features, 256), GCN(256, 256), GCN(256, 47)], dropout=0.5,
+                   activation="relu")
+
+    narrow, wide = model(100), model(256)
+    n, rows = 2_450_000, 153_000
+    assert budget.aggregate_positions_bytes(narrow, n, True) == 4 * n
+    assert budget.aggregate_positions_bytes(narrow, n, False) == 0
+    assert budget.aggregate_positions_bytes(wide, n, True) == 0
+    plain = budget.flush_pieces_bytes(narrow, rows, 4)
+    assert plain == 2 * rows * 400
+    with_them = budget.flush_pieces_bytes(narrow, rows, 4, n, gpu=True)
+    assert plain - 800 < with_them <= plain  # (whole rows given up)
+    assert budget.flush_piece_rows(100, 4, rows, 4 * n) == rows - -(-4 * n // 800)
+    # (few rows a piece: a quarter kept, the positions counted beside)
+    assert budget.flush_piece_rows(100, 4, 1000, 4 * n) == 250
+    assert budget.flush_pieces_bytes(narrow, 1000, 4, n, gpu=True) == 2 * 250 * 400 + 4 * n
+    sizes = budget.ChunkSizes(np.array([rows]), np.array([rows]), np.array([10 * rows]))
+    for device, gpu in (("cuda", True), ("cpu", False)):  # (the pieces and positions counted)
+        assert estimate_device_bytes(narrow, sizes, num_nodes=n, device=device) \
+            - estimate_device_bytes(narrow, sizes, device=device) \
+            == 11 * n + budget.flush_pieces_bytes(narrow, rows, 4, n, gpu) - plain

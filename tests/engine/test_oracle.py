@@ -716,7 +716,8 @@ def test_later_layers_load_rows_written_in_load_order(layer, depth, parts, chunk
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("parts,chunks", [(1, 5), (2, 3), (1, 8)])
-def test_layer_1_rows_made_from_the_first_layers_aggregates(parts, chunks, device,
+@pytest.mark.parametrize("into_first", [False, True])
+def test_layer_1_rows_made_from_the_first_layers_aggregates(parts, chunks, device, into_first,
                                                             monkeypatch):
     """Where the first layer's aggregates are narrower than layer 1's rows
     (6 features, 16 wide), a training forward pass writes ``a^0`` in first-load
@@ -726,18 +727,24 @@ def test_layer_1_rows_made_from_the_first_layers_aggregates(parts, chunks, devic
     (the same loss, the gradients of the in-memory reference), the copy holds
     the aggregates the plain run stores, and the bytes fall by the narrower
     rows stored and loaded, the rows themselves unchanged; evaluation is
-    unchanged."""
+    unchanged. Where the first layer's backward runs on layer 1's flushes
+    (``into_first``), ``a^0`` is stored once, in that order
+    (:func:`~hongtu.engine.executor.aggregates_in_load_order`): the copy is
+    the aggregate's first rows, every row of it lies at its position, and
+    the loaded rows are not stored a second time."""
     graph = CASES["halo_heavy"](seed=9)
     init, narrow = Executor.__init__, [False]
     monkeypatch.setattr(Executor, "__init__",
                         lambda self, *a, **kw: init(self, *a, narrow_rows=narrow[0], **kw))
     before, _, plain = chunked_step(three_layers("gcn", True), graph, parts, chunks, "auto",
-                                    device=device, ordered_rows=True)
+                                    device=device, ordered_rows=True,
+                                    first_in_flushes=into_first)
     narrow[0] = True
     model = three_layers("gcn", True)
     res, g, ex = chunked_step(model, graph, parts, chunks, "auto", device=device,
-                              ordered_rows=True)
+                              ordered_rows=True, first_in_flushes=into_first)
     assert ex.rows_from_aggregates and not plain.rows_from_aggregates
+    assert ex.first_in_flushes == into_first and (ex._agg_layout is not None) == into_first
     assert ex._ordered_rows[1].shape == (plain._ordered_rows[1].shape[0], NUM_FEATURES)
     assert_matches(model, res.loss, *reference_step(model, g))
     assert res.loss == pytest.approx(before.loss, rel=1e-6)
@@ -747,12 +754,29 @@ def test_layer_1_rows_made_from_the_first_layers_aggregates(parts, chunks, devic
     p1 = int(plan.load_ptr[1])
     written = torch.ones(firsts.shape[0], dtype=torch.bool)
     written[:p1] = torch.from_numpy(np.isin(ids[:p1], ids[p1:]))
-    assert torch.equal(ex._ordered_rows[1][written], plain.buf.agg[0][firsts][written])
+    want = plain.buf.agg[0].cpu()
+    assert torch.equal(ex._ordered_rows[1][written].cpu(), want[firsts][written])
     t, p = ex.mover.traffic, plain.mover.traffic
     narrower = (16 - NUM_FEATURES) * 4
-    assert (t.h2d_rows, t.d2h_rows) == (p.h2d_rows, p.d2h_rows)
-    assert p.h2d_bytes - t.h2d_bytes == (ids.shape[0] - p1) * narrower
-    assert p.d2h_bytes - t.d2h_bytes == int(written.sum()) * narrower
+    assert t.h2d_rows == p.h2d_rows
+    if into_first:
+        pos = ex._agg_layout.pos.long().cpu()
+        assert torch.equal(ex.buf.agg[0].cpu()[pos], want)
+        assert torch.equal(ex._ordered_rows[1].cpu(), want[firsts])
+        assert ex._ordered_rows[1].data_ptr() == ex.buf.agg[0].data_ptr()
+        assert ex.ordered_row_bytes == plain.ordered_row_bytes - plain._ordered_rows[1].nbytes
+        # (plain: a^0, then the loaded rows again; here a^0 alone; on a GPU each
+        # chunk's positions travel with it, 8 bytes a row, against 16 a loaded row)
+        stored = int(written.sum())
+        assert p.d2h_rows - t.d2h_rows == stored
+        assert p.d2h_bytes - t.d2h_bytes == stored * 16 * 4
+        rows = sum(np.diff(ex.chunks.range(int(c)))[0] for c in set(plan.chunk_ids.tolist()))
+        index = 8 * int(rows) - 16 * firsts.shape[0] if device == "cuda" else 0
+        assert p.h2d_bytes - t.h2d_bytes == (ids.shape[0] - p1) * narrower - index
+    else:
+        assert t.d2h_rows == p.d2h_rows
+        assert p.h2d_bytes - t.h2d_bytes == (ids.shape[0] - p1) * narrower
+        assert p.d2h_bytes - t.d2h_bytes == int(written.sum()) * narrower
     if (parts, chunks) != (2, 3):
         assert ids.shape[0] > p1 and written.any()  # (rows made from aggregates)
     got, want = ex.evaluate(3), plain.evaluate(3)
