@@ -1067,10 +1067,12 @@ class Executor:
         self.labels = labels.to(device)
         self.num_train = max(int(masks["train"].sum()) if num_train is None else num_train, 1)
         # For the loss: the split masks side by side (their sizes are constant:
-        # counted once per pass) and the labels as gather indices.
+        # counted once per pass); the labels as gather indices are made a chunk
+        # at a time (a copy of all of them would be 8 bytes a vertex more than
+        # the estimate counts).
         self._splits = torch.stack([masks[k] for k in _SPLITS], 1).to(device)
         self._split_sizes = self._splits.sum(0).to(torch.float64)
-        self._label_cols = self.labels.clamp(0, model.layers[-1].out_width - 1).unsqueeze(1)
+        self._classes = model.layers[-1].out_width
         # Layers that aggregate their sources where they lie, without a gathered
         # copy (budget.aggregates_in_place): whole layers in the row memory, the
         # others in the transition buffer's slots. A first layer's rows are
@@ -1674,13 +1676,15 @@ class Executor:
         only: nothing waits for the GPU. On a GPU (float32) one kernel."""
         kernel = engine_kernels("loss") if logits.is_cuda and logits.dtype == torch.float32 \
             and logits.stride(1) == 1 else None
+        y = self.labels[v0:v1]
+        cols = y.clamp(0, self._classes - 1)  # (the labels as gather indices)
         if kernel is not None and logits.shape[1] <= kernel.MAX_CLASSES:
             grad = (into if into is not None else torch.empty_like(logits)) if train else None
-            kernel.output_triton(logits, self.labels[v0:v1], self._label_cols[v0:v1],
-                                 self._splits[v0:v1], acc, self.num_train, grad)
+            kernel.output_triton(logits, y, cols, self._splits[v0:v1], acc, self.num_train,
+                                 grad)
             return grad
-        grad = _output_torch(logits, self.labels[v0:v1], self._label_cols[v0:v1],
-                             self._splits[v0:v1], acc, self.num_train, train)
+        grad = _output_torch(logits, y, cols.unsqueeze(1), self._splits[v0:v1], acc,
+                             self.num_train, train)
         if into is None or grad is None:
             return grad
         into.copy_(grad)
