@@ -39,17 +39,18 @@ def run_rank(rank: int, world: int, port: int, out: str, jobs: list[dict],
 
 def run_job(rank, world, comm, case: str, layer: str, chunks: int, checkpoint: str,
             flags: dict, ordered_rows: bool = False, first_in_flushes: bool = False,
-            ordered: bool = False, cache_rows: int = 0,
-            device: torch.device | None = None) -> dict:
+            ordered: bool = False, cache_rows: int = 0, three: bool = False,
+            narrow_rows: bool | None = None, device: torch.device | None = None) -> dict:
     """One step and one evaluation of a job on this rank (own rows taken from the
     sources where the case has a self-loop on every vertex, as training has it;
     ``ordered``: the first layer loads from a copy of its inputs in load order;
-    ``cache_rows``: spare slots for rows kept across batches)."""
-    from tests.engine.test_oracle import make_model
+    ``cache_rows``: spare slots for rows kept across batches; ``three``: three
+    layers, 6 -> 16 -> 16 -> 3; ``narrow_rows``: the Executor's)."""
+    from tests.engine.test_oracle import make_model, three_layers
 
     device = device or torch.device("cpu")
     graph = CASES[case](seed=1)
-    model = make_model(layer).to(device)
+    model = (three_layers(layer, True) if three else make_model(layer)).to(device)
     p = chunk_partition(graph, np.arange(graph.num_nodes) % world, chunks, num_parts=world)
     g = p.apply(graph)
     _, plan = plan_batches(g.indptr, g.indices, p.chunk_ptr, world, chunks, devices=world,
@@ -64,7 +65,7 @@ def run_job(rank, world, comm, case: str, layer: str, chunks: int, checkpoint: s
                   plan.plans[rank], checkpoint=checkpoint, seed=0, comm=comm,
                   num_train=int(g.train_mask.sum()), ordered_inputs=ordered,
                   ordered_rows=ordered_rows,
-                  first_in_flushes=first_in_flushes,
+                  first_in_flushes=first_in_flushes, narrow_rows=narrow_rows,
                   own_in_sources=flags.get("p2p", True) and has_self_loops(g)
                   and any(x.needs_dst for x in model.layers))
     res = ex.step(3)
@@ -84,4 +85,5 @@ def run_job(rank, world, comm, case: str, layer: str, chunks: int, checkpoint: s
             "own_from_sources": ex.own_rows_from_sources,
             "ordered_input_bytes": ex.ordered_input_bytes,
             "cached_rows": int(plan.cached_rows),
-            "first_in_flushes": ex.first_in_flushes}
+            "first_in_flushes": ex.first_in_flushes,
+            "aggregates_once": ex._agg_layout is not None}

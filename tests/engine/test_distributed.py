@@ -21,6 +21,7 @@ from tests.engine.test_oracle import (
     chunked_step,
     make_model,
     reference_step,
+    three_layers,
 )
 
 ON = {"reuse": True, "p2p": True, "reorg": True}
@@ -46,6 +47,11 @@ OWN_JOBS = [dict(case="self_loops", layer=layer, chunks=3, checkpoint=ck, flags=
 # the first layer's backward run on layer 1's flushes (as on GPUs)
 FOLD_JOBS = [dict(case="skewed", layer="gcn", chunks=3, checkpoint="auto", flags=flags,
                   first_in_flushes=True) for flags in (ON, OFF)]
+# three layers, layer 1's rows made from the first layer's aggregates, stored
+# once in its load order (as on GPUs; forced here)
+ONCE_JOBS = [dict(case="skewed", layer="gcn", chunks=3, checkpoint="auto", flags=flags,
+                  ordered_rows=True, first_in_flushes=True, three=True, narrow_rows=True)
+             for flags in (ON, OFF)]
 
 
 def free_port() -> int:
@@ -64,10 +70,11 @@ GPU_PATHS = dict(case="skewed", layer="gcn", chunks=5, checkpoint="auto", flags=
 GPU_OWN = dict(case="self_loops", layer="sage", chunks=5, checkpoint="auto", flags=ON,
                ordered=True, cache_rows=40)
 GPU_JOBS = (LAYER_JOBS + [GPU_PATHS, GPU_OWN, dict(GPU_OWN, layer="gat")]
-            + OWN_JOBS + FOLD_JOBS)
+            + OWN_JOBS + FOLD_JOBS + [dict(ONCE_JOBS[0], narrow_rows=None)])
 GPU_IDS = (LAYER_IDS + ["gcn-gpu-paths", "sage-own-rows-kept-ordered", "gat-own-rows-kept-ordered"]
            + [f"own-rows-{j['layer']}-{j['checkpoint']}" for j in OWN_JOBS]
-           + [f"fold-{flags_name(j['flags'])}" for j in FOLD_JOBS])
+           + [f"fold-{flags_name(j['flags'])}" for j in FOLD_JOBS]
+           + ["gcn3-aggregates-once"])
 
 
 def run_world(tmp_path, world: int, jobs: list[dict],
@@ -81,7 +88,7 @@ def run_world(tmp_path, world: int, jobs: list[dict],
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
     return run_world(tmp_path_factory.mktemp("w2"), 2,
-                     LAYER_JOBS + FLAG_JOBS + ORDERED_JOBS + OWN_JOBS + FOLD_JOBS)
+                     LAYER_JOBS + FLAG_JOBS + ORDERED_JOBS + OWN_JOBS + FOLD_JOBS + ONCE_JOBS)
 
 
 @pytest.fixture(scope="module")
@@ -98,17 +105,22 @@ def nccl(request, tmp_path_factory):
     return world, run_world(tmp_path_factory.mktemp(f"nccl{world}"), world, GPU_JOBS, "cuda")
 
 
+def job_model(job: dict):
+    """The model a job trains (as :func:`~tests.engine.dist_worker.run_job` makes it)."""
+    return three_layers(job["layer"], True) if job.get("three") else make_model(job["layer"])
+
+
 def check_job(ranks: list[dict], job: dict, world: int) -> None:
     """Each rank's loss and gradients are those of one process over all parts
     and of the in-memory reference, whichever paths the executor's rows took."""
     graph = CASES[job["case"]](seed=1)
-    single = make_model(job["layer"])
+    single = job_model(job)
     res, g, _ = chunked_step(single, graph, world, job["chunks"], job["checkpoint"],
                              assignment=np.arange(graph.num_nodes) % world, **job["flags"])
     ref_loss, ref_grads = reference_step(single, g)
     for r in ranks:  # every rank holds the all-reduced loss and gradients
         assert abs(r["loss"] - res.loss) <= 1e-5 * abs(res.loss)
-        model = make_model(job["layer"])
+        model = job_model(job)
         for name, p in model.named_parameters():
             p.grad = r["grads"][name]
         assert_matches(model, r["loss"], ref_loss, ref_grads)
@@ -210,6 +222,19 @@ def test_ranks_run_the_first_backward_on_their_flushes(two, k):
     check_job(ranks, job, 2)
 
 
+@pytest.mark.parametrize("k", range(len(ONCE_JOBS)))
+def test_ranks_store_the_first_aggregates_once(two, k):
+    """Each rank stores its own part's first-layer aggregates once, in the
+    order its layer 1 first loads them, and gathers them for the first
+    layer's backward on its flushes through their positions; the all-reduced
+    step still matches one process and the reference."""
+    job = ONCE_JOBS[k]
+    ranks = two[len(LAYER_JOBS) + len(FLAG_JOBS) + len(ORDERED_JOBS) + len(OWN_JOBS)
+                + len(FOLD_JOBS) + k]
+    assert all(r["aggregates_once"] and r["first_in_flushes"] for r in ranks)
+    check_job(ranks, job, 2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", range(len(GPU_JOBS)), ids=GPU_IDS)
 def test_gpu_ranks_over_nccl_match_one_process_and_the_reference(nccl, k):
@@ -225,9 +250,11 @@ def test_gpu_ranks_over_nccl_match_one_process_and_the_reference(nccl, k):
         if job.get("cache_rows"):
             assert r["cached_rows"] > 0
         if job.get("ordered_rows"):
-            assert r["ordered_rows"] == [1]
+            assert 1 in r["ordered_rows"] if job.get("three") else r["ordered_rows"] == [1]
         if job.get("first_in_flushes"):
             assert r["first_in_flushes"]
+        if job.get("three"):  # (narrow layer-1 rows by default on GPUs)
+            assert r["aggregates_once"]
     assert sum(r["traffic"]["d2d_rows"] for r in ranks) > 0  # (rows crossed between GPUs)
     if job["flags"]["reuse"]:  # (rows received at one step and read at the next stay)
         assert all(r["received_kept"] > 0 for r in ranks)
