@@ -271,6 +271,7 @@ def main() -> int:
             for site, size in p["start_sites"].items():
                 print(f"    {format_size(size):>11}  {site}", flush=True)
     out = Path(args.out) / f"{args.tag}memory_{args.workload}_{tag}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
     return 0

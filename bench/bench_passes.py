@@ -104,12 +104,20 @@ def passes(timeline: list, pass_bytes: list, end_bytes: tuple, peak: dict) -> li
 _TRANSFER = re.compile(r"^(Memcpy|Memset|_copy_rows)")
 
 
+def _transfer_kind(kernel: str) -> str:
+    """What a transfer kernel is: a DMA copy by direction, a memset, or the row kernel."""
+    m = re.match(r"^Memcpy (\w+)", kernel)
+    return f"DMA {m.group(1)}" if m else "memset" if kernel.startswith("Memset") else "row kernel"
+
+
 def kernels_per_pass(trace: dict, top: int) -> dict:
     """Device time of the kernels each pass launched, from a profiler trace whose
     passes are ``PASS <name>`` annotations: ``transfer_ms`` (:data:`_TRANSFER`),
     ``compute_ms`` and the ``top`` longest compute kernels as
-    ``[name, ms, launches]``. Kernels launched outside any pass (the
-    optimizer's, or work issued between passes) go under ``between``."""
+    ``[name, ms, launches]``, and ``transfers``, the transfer time by kind
+    (:func:`_transfer_kind`) as ``[kind, ms, launches]``, longest first.
+    Kernels launched outside any pass (the optimizer's, or work issued
+    between passes) go under ``between``."""
     ev = trace["traceEvents"]
     ranges = [(e["ts"], e["ts"] + e["dur"], e["name"][5:]) for e in ev
               if e.get("cat") == "user_annotation" and e.get("name", "").startswith("PASS ")]
@@ -119,7 +127,8 @@ def kernels_per_pass(trace: dict, top: int) -> dict:
                 and "correlation" in e.get("args", {})}
     names = [n for _, _, n in ranges] + ["between"]
     out = {n: {"transfer_ms": 0.0, "compute_ms": 0.0, "kernels": collections.Counter(),
-               "launches": collections.Counter()} for n in names}
+               "launches": collections.Counter(), "kinds": collections.Counter(),
+               "copies": collections.Counter()} for n in names}
     for e in ev:
         if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
             continue
@@ -129,13 +138,16 @@ def kernels_per_pass(trace: dict, top: int) -> dict:
         rec, ms = out[name], e["dur"] / 1e3
         if _TRANSFER.match(kernel):
             rec["transfer_ms"] += ms
+            rec["kinds"][_transfer_kind(kernel)] += ms
+            rec["copies"][_transfer_kind(kernel)] += 1
         else:
             rec["compute_ms"] += ms
             rec["kernels"][kernel] += ms
             rec["launches"][kernel] += 1
     for rec in out.values():
         rec["top"] = [[k, v, rec["launches"][k]] for k, v in rec["kernels"].most_common(top)]
-        del rec["kernels"], rec["launches"]
+        rec["transfers"] = [[k, v, rec["copies"][k]] for k, v in rec["kinds"].most_common()]
+        del rec["kernels"], rec["launches"], rec["kinds"], rec["copies"]
     return out
 
 
@@ -243,8 +255,12 @@ def main() -> int:
         for name, rec in result["kernels"].items():
             print(f"{name:<14}{rec['transfer_ms']:>9.2f}{rec['compute_ms']:>9.2f}  " + "; ".join(
                 f"{k} {ms:.2f}/{n}" for k, ms, n in rec["top"]))
+            if rec["transfers"]:
+                print(" " * 16 + "transfers: " + "; ".join(
+                    f"{k} {ms:.2f}/{n}" for k, ms, n in rec["transfers"]))
     system = "" if args.system == "hongtu" else f"_{args.system}"
     out = Path(args.out) / f"passes_{args.workload}_{args.model}{system}_{tag}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"epoch {result['median_epoch_s']:.3f} s ({tr.partition.num_chunks} chunks); wrote {out}")
     return 0

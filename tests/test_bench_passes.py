@@ -24,7 +24,7 @@ def test_kernels_are_counted_in_the_pass_that_launched_them():
         {"cat": "user_annotation", "name": "PASS forward L0", "ts": 0, "dur": 100},
         {"cat": "user_annotation", "name": "PASS backward L0", "ts": 200, "dur": 100},
         _launch(1, 10), _launch(2, 20, driver=True), _launch(3, 30), _launch(4, 40),
-        _launch(5, 150), _launch(6, 250), _launch(7, 260),
+        _launch(5, 150), _launch(6, 250), _launch(7, 260), _launch(8, 270),
         # (kernels run later than their launch, the first pass's after it ended)
         _kernel(1, "void cusparse::csrmm_alg2_kernel<false, long>(long, float)", 2.0),
         _kernel(2, "_copy_rows", 3.0),  # Triton, launched through the driver API
@@ -32,12 +32,18 @@ def test_kernels_are_counted_in_the_pass_that_launched_them():
         _kernel(4, "void cusparse::csrmm_alg2_kernel<false, long>(long, float)", 1.0),
         _kernel(5, "multi_tensor_apply_kernel", 0.25),
         _kernel(6, "gemm", 1.0), _kernel(7, "_dropout_kernel", 1.5),
+        _kernel(8, "Memcpy DtoH (Device -> Pinned)", 0.75, cat="gpu_memcpy"),
     ]}
     out = bench_passes.kernels_per_pass(trace, top=1)
     assert list(out) == ["forward L0", "backward L0", "between"]
     f, b, between = out["forward L0"], out["backward L0"], out["between"]
     assert f["transfer_ms"] == pytest.approx(3.5) and f["compute_ms"] == pytest.approx(3.0)
     assert f["top"] == [["void cusparse::csrmm_alg2_kernel", pytest.approx(3.0), 2]]
-    assert b["compute_ms"] == pytest.approx(2.5) and b["transfer_ms"] == 0
+    assert b["compute_ms"] == pytest.approx(2.5) and b["transfer_ms"] == pytest.approx(0.75)
     assert b["top"] == [["_dropout_kernel", pytest.approx(1.5), 1]]
     assert between["compute_ms"] == pytest.approx(0.25)
+    # (transfers by kind: the row kernel's zero-copy rows, DMA copies by direction)
+    assert f["transfers"] == [["row kernel", pytest.approx(3.0), 1],
+                              ["DMA HtoD", pytest.approx(0.5), 1]]
+    assert b["transfers"] == [["DMA DtoH", pytest.approx(0.75), 1]]
+    assert between["transfers"] == []
