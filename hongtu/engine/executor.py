@@ -496,8 +496,8 @@ def aggregates_in_load_order(narrow: bool, into_first: bool) -> bool:
     aggregates through their positions (:func:`~hongtu.engine.budget.aggregate_positions_bytes`).
     Each chunk's aggregate goes out as one contiguous copy per step that
     first loads rows of it, and one for the rest (DMA on a GPU), compacted on
-    the device first: ``|V|`` rows a pass instead of ``|V|`` plus the loaded
-    ones, the loaded ones scattered row by row. GCN 3×256 on an H200
+    the device first: ``|V|`` rows a pass instead of ``|V|`` and, again, the
+    rows a step after the first loads, scattered row by row. GCN 3×256 on an H200
     (``bench/HISTORY.md``): the first layer's forward pass 30.5 against 52–60
     ms on products-like, epochs 0.194–0.213 against 0.216–0.221 s there and
     0.315–0.318 against 0.347 s on R-MAT 2^22."""
