@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
-import json
 import os
 import pstats
 import sys
@@ -36,7 +35,7 @@ from pathlib import Path
 
 import torch
 from bench_suite import MODELS, SYSTEMS, WORKLOADS, make_graph, model_cfg, suite_config, warm_up
-from common import RESULTS, device_name, file_tag, pass_names
+from common import RESULTS, device_name, file_tag, pass_names, write_json
 
 from hongtu.config import parse_size
 from hongtu.engine.executor import Executor
@@ -162,7 +161,7 @@ def main() -> int:
     tag = f"_{args.tag}" if args.tag else ""
     name = f"epochs_{args.workload}_{args.model}{tag}_{file_tag(device_name())}.json"
     out = Path(args.out) / name
-    out.write_text(json.dumps(result, indent=1))
+    write_json(out, result, indent=1)
     print(f"wrote {out}")
     return 0
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 from bench_suite import MODELS, WORKLOADS, model_cfg
-from common import RESULTS, host_peak_rss_bytes
+from common import RESULTS, host_peak_rss_bytes, write_json
 
 from hongtu.config import config_from_dict, format_size
 from hongtu.graph.datasets import BUILTIN_DATASETS, BuiltinDataset
@@ -74,7 +74,7 @@ def main() -> int:
               f"suite's run held {format_size(held)} more than before it "
               f"({rec['listed_over_held']:.3f}x)")
     out = Path(args.out) / f"host_report_{args.workload}{scale}_{args.model}.json"
-    out.write_text(json.dumps(rec, indent=2))
+    write_json(out, rec)
     print(f"wrote {out}")
     return 0
 

@@ -30,12 +30,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
-from common import RESULTS, device_name, file_tag
+from common import RESULTS, device_name, file_tag, write_json
 
 from hongtu.engine.budget import ChunkSizes, kept_graph_bytes
 from hongtu.engine.buffers import BufferPlan, HostBuffers
@@ -211,10 +210,9 @@ def main() -> None:
                 print(f"    {b:8.0f} B/vertex  {site}")
     name = device_name() if dev.type == "cuda" else "cpu"
     out = Path(RESULTS) / f"kept_graphs_{'sites_' if args.sites else ''}{file_tag(name)}.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"device": name, "torch": torch.__version__, "graph":
-                               "R-MAT 2^15 + self-loops, 128 features, 16 classes",
-                               "chunks": CHUNKS, "records": records}, indent=1))
+    write_json(out, {"device": name, "torch": torch.__version__,
+                     "graph": "R-MAT 2^15 + self-loops, 128 features, 16 classes",
+                     "chunks": CHUNKS, "records": records}, indent=1)
     print(f"wrote {out}")
 
 

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 from bench_suite import MODELS, SYSTEMS, WORKLOADS, make_graph, model_cfg, suite_config, warm_up
-from common import RESULTS, device_name, file_tag, pass_names
+from common import RESULTS, device_name, file_tag, pass_names, write_json
 
 from hongtu.config import format_size, parse_size
 from hongtu.engine.budget import _SLACK, batch_bytes
@@ -271,8 +271,7 @@ def main() -> int:
             for site, size in p["start_sites"].items():
                 print(f"    {format_size(size):>11}  {site}", flush=True)
     out = Path(args.out) / f"{args.tag}memory_{args.workload}_{tag}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_json(out, result)
     print(f"wrote {out}")
     return 0
 

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 from bench_suite import MODELS, SYSTEMS, WORKLOADS, make_graph, model_cfg, suite_config, warm_up
-from common import RESULTS, device_name, file_tag, pass_names, pinned_copy_peak
+from common import RESULTS, device_name, file_tag, pass_names, pinned_copy_peak, write_json
 
 from hongtu.config import parse_size
 from hongtu.engine.trainer import Trainer
@@ -260,8 +260,7 @@ def main() -> int:
                     f"{k} {ms:.2f}/{n}" for k, ms, n in rec["transfers"]))
     system = "" if args.system == "hongtu" else f"_{args.system}"
     out = Path(args.out) / f"passes_{args.workload}_{args.model}{system}_{tag}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_json(out, result)
     print(f"epoch {result['median_epoch_s']:.3f} s ({tr.partition.num_chunks} chunks); wrote {out}")
     return 0
 

@@ -22,7 +22,6 @@ Prints a table and writes ``bench/results/plan_<hostname>.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import resource
@@ -32,7 +31,7 @@ from pathlib import Path
 
 import numba
 import numpy as np
-from common import RESULTS, timed
+from common import RESULTS, timed, write_json
 
 from hongtu.dedup import neighbour_sets, plan_transfers
 from hongtu.graph import Graph
@@ -138,8 +137,7 @@ def main(argv: list[str] | None = None) -> int:
            "row_bytes": args.row_bytes,
            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
            "records": records}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2) + "\n")
+    write_json(out, doc)
     print(f"wrote {out}")
     return 0
 

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 import numba
-from common import RESULTS, timed
+from common import RESULTS, timed, write_json
 
 from hongtu.graph.generators import rmat_edges, rmat_graph
 
@@ -137,8 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": sys.version.split()[0], "warmup_s": warm_s,
         "records": sorted(kept + records, key=lambda r: r["scale"]),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2) + "\n")
+    write_json(out, doc)
     print(f"wrote {out}")
     return 0
 

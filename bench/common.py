@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import resource
@@ -14,6 +15,13 @@ import torch
 
 #: where every benchmark writes its JSON
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def write_json(path: Path, doc, indent: int = 2) -> Path:
+    """Write ``doc`` as JSON to ``path``, making its folder first; returns ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=indent) + "\n")
+    return path
 
 
 def timed(fn, *args, **kwargs):
