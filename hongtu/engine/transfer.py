@@ -822,23 +822,14 @@ class Mover:
     # ----------------------------------------------------------- dev -> host
     def store_range(self, host: Tensor, start: int, value: Tensor) -> None:
         """``host[start:start+len(value)] = value`` (on the store stream)."""
-        rows = int(value.shape[0])
-        self._count(host, "d2h", rows, int(value.shape[1]) if rows else 0)
-        value = value.detach()
-        with self._on(self.s_out), self.timing("time_d2h_s", self.s_out):
-            host[start:start + rows].copy_(value, non_blocking=True)
-        self._keep(value)
+        self.store_runs(host, value, [(start, 0, int(value.shape[0]))])
 
     def store_runs(self, host: Tensor, value: Tensor, runs: list) -> None:
         """``host[p:p+k] = value[o:o+k]`` for each run ``(p, o, k)`` (on the store
-        stream: one DMA copy each on a GPU)."""
+        stream: one copy each, DMA on a GPU)."""
         rows = sum(k for _, _, k in runs)
         self._count(host, "d2h", rows, int(value.shape[1]) if rows else 0)
         value = value.detach()
-        if not self.cuda or host.device.type == "cuda":
-            for p, o, k in runs:
-                host[p:p + k].copy_(value[o:o + k])
-            return
         with self._on(self.s_out), self.timing("time_d2h_s", self.s_out):
             for p, o, k in runs:
                 host[p:p + k].copy_(value[o:o + k], non_blocking=True)
