@@ -434,6 +434,8 @@ class _FirstLoads:
     #: the rows loaded (ascending) and the ``cid`` of each
     rows: np.ndarray
     cid: np.ndarray
+    #: per load of the plan: whether it is its row's first
+    first: np.ndarray
 
     def largest(self) -> tuple[int, int]:
         """Elements of the longest chunk array and of the longest step array
@@ -482,7 +484,7 @@ def _first_loads(plan: DevicePlan, chunks: ChunkSet, pin: bool) -> _FirstLoads:
         host = pinned_copies(host)
     steps = [(again, t) for (again, _), t in zip(arrays, host)]
     return _FirstLoads(int(uniq.shape[0]), run, steps,
-                       dict(zip(places, host[len(arrays):])), split, uniq, cid_of_uniq)
+                       dict(zip(places, host[len(arrays):])), split, uniq, cid_of_uniq, first)
 
 
 def aggregates_in_load_order(narrow: bool, into_first: bool) -> bool:
@@ -545,6 +547,65 @@ def _aggregate_layout(fl: _FirstLoads, chunks: ChunkSet, n: int,
     dtype = torch.int32 if device.type == "cuda" and n < 2**31 else torch.int64
     return _AggregateLayout(torch.from_numpy(pos).to(device=device, dtype=dtype), first,
                             orders, runs)
+
+
+def backward_in_reverse(once: bool, comm) -> bool:
+    """Whether layer 1's backward pass visits the plan's steps last to first,
+    where the first layer's backward runs on its flushes and reads ``a^0``
+    stored once in layer 1's load order (``once``,
+    :func:`aggregates_in_load_order`), in one process (``comm`` is ``None``:
+    several would have to reverse their exchanges together).
+
+    A row's residency is the same interval of steps whichever way they run,
+    so the plan's slots hold: in reverse, the rows entering at a step are
+    those it flushes in forward order, and the rows a step flushes are those
+    it loads (a row's gradient is complete at its first use). The rows a
+    step loads first lie in ``a^0``'s buffer as one run, so the first
+    layer's backward brings their aggregates as one contiguous copy (DMA)
+    and gathers only the rows loaded again (:class:`_FoldOrder`), instead of
+    gathering every flushed row's from where it lies (zero-copy, which holds
+    the GPU's SMs and is slower per byte on the link). GCN 3×256 on an H200
+    (``bench/HISTORY.md``): the hidden layer's backward pass 80.6 against
+    87.7 ms on products-like (the GPU busy 65 against 78 ms), epochs 0.189
+    against 0.197 s; 134 against 140 ms on R-MAT 2^22, 0.311 against 0.316 s."""
+    return bool(once and comm is None)
+
+
+@dataclass
+class _FoldOrder:
+    """The order of the rows layer 1's steps load, as its reversed backward
+    flushes them (:func:`backward_in_reverse`): per step, the rows it loads
+    first (their aggregates at positions ``run[s] .. run[s+1]-1`` of
+    :class:`_FirstLoads`), then the rows it loads again."""
+
+    #: per load in that order, its index among the plan's loads (device;
+    #: int32 on a GPU)
+    perm: Tensor
+    #: the positions of the rows loaded again, in that order (device int64)
+    again_pos: Tensor
+    #: per step ``s``: its rows loaded again are ``again_pos[again_ptr[s]:again_ptr[s+1]]``
+    again_ptr: np.ndarray
+
+    def nbytes(self) -> int:
+        """Device bytes of the arrays."""
+        return sum(t.numel() * t.element_size() for t in (self.perm, self.again_pos))
+
+
+def _fold_order(plan: DevicePlan, fl: _FirstLoads, row0: int,
+                device: torch.device) -> _FoldOrder:
+    """The :class:`_FoldOrder` of ``plan``'s loads (``fl``: their first loads;
+    host rows from ``row0``)."""
+    ptr = np.asarray(plan.load_ptr, dtype=np.int64)
+    step = np.repeat(np.arange(plan.num_steps), np.diff(ptr))
+    perm = np.lexsort((~fl.first, step))  # (stable: each kind in the plan's order)
+    again = perm[~fl.first[perm]]
+    ids = np.asarray(plan.load_ids, dtype=np.int64)[again] - row0
+    pos = fl.cid[np.searchsorted(fl.rows, ids)]
+    again_ptr = np.zeros(plan.num_steps + 1, dtype=np.int64)
+    np.cumsum(np.bincount(step[again], minlength=plan.num_steps), out=again_ptr[1:])
+    dtype = torch.int32 if device.type == "cuda" and perm.shape[0] < 2**31 else torch.int64
+    return _FoldOrder(torch.from_numpy(perm).to(device=device, dtype=dtype),
+                      torch.from_numpy(pos).to(device), again_ptr)
 
 
 def first_step_rows(plan: DevicePlan) -> tuple[int, int]:
@@ -776,6 +837,8 @@ class _PlanOnDevice:
         #: ``(step, q, chunk id, first of its step, last of its step)`` in processing order
         self.items = [(s, q, int(p.chunk_ids[q]), q == p.step_ptr[s], q == p.step_ptr[s + 1] - 1)
                       for s in range(p.num_steps) for q in range(p.step_ptr[s], p.step_ptr[s + 1])]
+        #: the same, last step first (see backward_in_reverse)
+        self.items_reversed = [(s, q, c, last, first) for s, q, c, first, last in self.items[::-1]]
 
     def load(self, s: int) -> tuple[Tensor, Tensor]:
         a, b = int(self.plan.load_ptr[s]), int(self.plan.load_ptr[s + 1])
@@ -998,14 +1061,6 @@ class Executor:
         self.mover = Mover(device, {k: (max_dst if w else 0, w) for k, w in slot_w.items()},
                            max(widths), self.dtype, load_rows=stage, overlap=overlap,
                            stage=self._rowmem[twins:], flush_elements=flushes)
-        if self._in_flushes:
-            w0 = widths[0]
-            self._flush_piece = flush_piece_rows(
-                w0, buffers.h[0].element_size(), max(chunks.max_rows()[1], 1),
-                aggregate_positions_bytes(model, buffers.h[0].shape[0], device.type == "cuda"))
-            self._flush_rows = torch.empty((2, self._flush_piece, w0), dtype=self.dtype,
-                                           device=device)
-            self._flush_free = [None, None]  # (events: compute done with each)
         self._graphs: dict[tuple[int, int], tuple] = {}  # (layer, chunk): kept update
         self._held_by: dict[bool, tuple] = {}
         self._held = None
@@ -1064,6 +1119,20 @@ class Executor:
             spare = self.mover.forward_spare([chunk_ids, step_ids])
             self._store_ids = IndexRing(self.mover, chunk_ids, spare and spare[0])
             self._load_ids = IndexRing(self.mover, step_ids, spare and spare[1])
+        # Layer 1's backward visits the steps last to first where the first
+        # layer's backward reads a^0 stored in load order (one process).
+        self._reverse = backward_in_reverse(self._agg_layout is not None, comm)
+        self._fold = _fold_order(plan, self._first_loads, chunks.row0, device) \
+            if self._reverse else None
+        if self._in_flushes:  # (the fold's index arrays take their room from the pieces)
+            w0 = widths[0]
+            self._flush_piece = flush_piece_rows(
+                w0, buffers.h[0].element_size(), max(chunks.max_rows()[1], 1),
+                aggregate_positions_bytes(model, buffers.h[0].shape[0], device.type == "cuda")
+                + (self._fold.nbytes() if self._fold is not None else 0))
+            self._flush_rows = torch.empty((2, self._flush_piece, w0), dtype=self.dtype,
+                                           device=device)
+            self._flush_free = [None, None]  # (events: compute done with each)
         self.labels = labels.to(device)
         self.num_train = max(int(masks["train"].sum()) if num_train is None else num_train, 1)
         # For the loss: the split masks side by side (their sizes are constant:
@@ -1409,7 +1478,7 @@ class Executor:
         if l == 1:
             return None
         rows = -(-(size - start) // g.shape[1])  # its rows lying there: 0 .. rows-1
-        items = self.plan.items
+        items = self._back_items(self._prefetch_in)
         last = max((i for i, (_, _, c, _, _) in enumerate(items)
                     if self.chunks.range(c)[0] < rows), default=-2)
         return last + 2 if last + 2 < len(items) else None
@@ -1731,8 +1800,10 @@ class Executor:
             gsum = None if self.stored[l] or not self.cached[l] else torch.zeros(
                 layer.out_width, dtype=buf.h[l].dtype, device=self.device)
 
-            def fetch(i, l=l, layer=layer, tbuf=tbuf):
-                s, _, c, first, _ = plan.items[i]
+            items = self._back_items(l)
+
+            def fetch(i, l=l, layer=layer, tbuf=tbuf, items=items):
+                s, _, c, first, _ = items[i]
                 v0, v1 = self.chunks.range(c)
                 start = self._prefetch_from
                 if l == self._prefetch_in and self._prefetch and i >= start:
@@ -1748,14 +1819,18 @@ class Executor:
                 return rows, g_out, dst, *(head or self._backward_reads(l, c))
 
             def run(i, fetched, fetch_next, l=l, layer=layer, seed=seed, nxt=nxt, tbuf=tbuf,
-                    gbuf=gbuf, need_in=need_in, write=write, gsum=gsum, into_first=into_first):
-                s, q, c, first, last = plan.items[i]
+                    gbuf=gbuf, need_in=need_in, write=write, gsum=gsum, into_first=into_first,
+                    items=items):
+                s, q, c, first, last = items[i]
                 rows = fetched[0]
                 if rows is not None:
                     mv.place(rows)
                     self._exchange(s, tbuf)
                 if first and need_in and not self._direct and not self._whole[l]:
-                    gbuf.index_fill_(0, plan.load(s)[1], 0)  # rows entering: no gradient
+                    # rows entering: no gradient (in reverse, those leaving in forward order)
+                    entering = plan.flush(s)[1] if items is plan.items_reversed \
+                        else plan.load(s)[1]
+                    gbuf.index_fill_(0, entering, 0)
                     if self.comm is not None:  # (nor do those entering the receive area)
                         gbuf.index_fill_(0, plan.entering(s), 0)
                 # (the first piece of the step's flushed rows' aggregates travels
@@ -1802,20 +1877,45 @@ class Executor:
         if self.comm is not None:
             self.comm.all_reduce_grads(self.model.parameters())
 
+    def _flushed(self, s: int) -> int:
+        """How many rows layer 1's step ``s`` flushes (in reverse: loads)."""
+        p = self.plan.plan.load_ptr if self._reverse else self.plan.plan.flush_ptr
+        return int(p[s + 1]) - int(p[s])
+
+    def _flushed_rows(self, s: int, a: int, b: int) -> tuple[Tensor, Tensor]:
+        """``(local row ids, slots)`` of rows ``a .. b-1`` of those layer 1's step
+        ``s`` flushes, in the order :meth:`_flush_gather` brings their aggregates
+        (reversed: :class:`_FoldOrder`'s)."""
+        if not self._reverse:
+            _, slots, ids = self.plan.flush(s)
+            return ids[a:b], slots[a:b]
+        p0 = int(self.plan.plan.load_ptr[s])
+        at = self._fold.perm[p0 + a:p0 + b]
+        return self.plan.load_ids.index_select(0, at), self.plan.load_slots.index_select(0, at)
+
     def _flush_gather(self, s: int, k: int) -> tuple[Ticket, int, int] | None:
-        """Start gathering piece ``k`` of the aggregates ``a^0`` of the rows layer
+        """Start bringing piece ``k`` of the aggregates ``a^0`` of the rows layer
         1's step ``s`` flushes (:func:`first_backward_in_flushes`) into one of two
         device pieces; ``(ticket, a, b)``: its flush positions, or ``None`` past
-        the last."""
-        _, _, ids = self.plan.flush(s)
+        the last. In reverse (:func:`backward_in_reverse`) the rows the step
+        loads first come as one copy and only those it loads again are gathered."""
+        n = self._flushed(s)
         a = k * self._flush_piece
-        if a >= ids.shape[0]:
+        if a >= n:
             return None
-        b = min(a + self._flush_piece, int(ids.shape[0]))
-        t = self.mover.gather_rows(self.buf.agg[0], ids[a:b], self._flush_rows[k % 2],
-                                   self._flush_free[k % 2],
-                                   self._agg_layout.pos if self._agg_layout is not None else None)
-        return t, a, b
+        b = min(a + self._flush_piece, n)
+        out, free = self._flush_rows[k % 2], self._flush_free[k % 2]
+        if not self._reverse:
+            _, _, ids = self.plan.flush(s)
+            at = self._agg_layout.pos if self._agg_layout is not None else None
+            return self.mover.gather_rows(self.buf.agg[0], ids[a:b], out, free, at), a, b
+        fl, fo = self._first_loads, self._fold
+        r0, first = int(fl.run[s]), int(fl.run[s + 1] - fl.run[s])
+        g0 = int(fo.again_ptr[s])
+        again = fo.again_pos[g0 + max(a - first, 0):g0 + b - first] if b > first \
+            else fo.again_pos[:0]
+        run = (r0 + min(a, first), r0 + min(b, first))
+        return self.mover.gather_rows(self.buf.agg[0], again, out, free, run=run), a, b
 
     def _first_backward_on_flush(self, s: int, gbuf: Tensor, piece, epoch: int) -> None:
         """The first layer's backward on the gradient rows layer 1's step ``s``
@@ -1823,7 +1923,6 @@ class Executor:
         run again on their aggregates and its backward from those gradients,
         a piece at a time, the next piece's aggregates travelling meanwhile."""
         model, mv = self.model, self.mover
-        _, slots, ids = self.plan.flush(s)
         seed, nxt = self._seed(epoch, 0), self._seed(epoch, 1)
         k = 0
         while piece is not None:
@@ -1831,8 +1930,9 @@ class Executor:
             piece = self._flush_gather(s, k + 1)
             rows = mv.take(ticket)
             with mv.timing("time_compute_s"):
-                g = gbuf.index_select(0, slots[a:b])
-                _update_backward(model, 0, _Rows(ids[a:b] + self.chunks.row0), rows, None, g,
+                ids, slots = self._flushed_rows(s, a, b)
+                g = gbuf.index_select(0, slots)
+                _update_backward(model, 0, _Rows(ids + self.chunks.row0), rows, None, g,
                                  seed, nxt, need_in=False)
             if mv.overlap:  # (the gather after next may overwrite these rows then)
                 done = torch.cuda.Event()
@@ -1858,7 +1958,12 @@ class Executor:
     def _backward_head(self, l: int) -> None:
         """Start layer ``l``'s backward pass's first :meth:`_backward_reads` now
         (during the pass before it)."""
-        self._head = self._backward_reads(l, self.plan.items[0][2])
+        self._head = self._backward_reads(l, self._back_items(l)[0][2])
+
+    def _back_items(self, l: int) -> list[tuple]:
+        """The plan's items in the order layer ``l``'s backward pass visits them
+        (:func:`backward_in_reverse`)."""
+        return self.plan.items_reversed if l == 1 and self._reverse else self.plan.items
 
     def _backward_chunk(self, l: int, layer, q: int, c: int, fetched, tbuf: Tensor,
                         gbuf: Tensor, need_in: bool, seed: int, nxt: int,

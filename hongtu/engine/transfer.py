@@ -689,7 +689,7 @@ class Mover:
         return True
 
     def gather_rows(self, host: Tensor, ids: Tensor, out: Tensor, free=None,
-                    at: Tensor | None = None) -> Ticket:
+                    at: Tensor | None = None, run: tuple[int, int] = (0, 0)) -> Ticket:
         """Start ``out[:len(ids)] = host[ids]`` (``ids``: int64 on the device; with
         ``at``, a device array of each row's position in ``host``: ``host[at[ids]]``);
         :meth:`take` gives the rows. On a GPU with overlap a zero-copy gather
@@ -697,8 +697,12 @@ class Mover:
         stream's copies (DMA, which the gather kernel would otherwise wait
         behind), after the stores issued so far and after ``free`` (an event
         compute recorded once done with ``out``; ``None``: it never read it);
-        elsewhere at once."""
-        n = int(ids.shape[0])
+        elsewhere at once. With ``run = (start, stop)``, rows ``host[start:stop]``
+        come first, as one copy (DMA), and the gathered rows after them: both on
+        the gather's stream, whose waits for ``free`` hold up no load of the
+        load stream."""
+        r = run[1] - run[0]
+        n = r + int(ids.shape[0])
         self._count(host, "h2d", n, int(host.shape[1]))
         dst, view = out[:n], self._view(host)
 
@@ -706,18 +710,22 @@ class Mover:
             return ids if at is None else at.index_select(0, ids).long()
 
         if view is None:  # unpinned host memory: gathered on the CPU, then one copy
-            dst.copy_(host.index_select(0, where().cpu()))
+            dst[:r].copy_(host[run[0]:run[1]])
+            dst[r:].copy_(host.index_select(0, where().cpu()))
             return Ticket(dst)
         if not self.overlap or view is host:
             with self.timing("time_h2d_s"):
-                copy_rows(view, dst, where())
+                dst[:r].copy_(view[run[0]:run[1]])
+                copy_rows(view, dst[r:], where())
             return Ticket(dst)
         with self._on(self.s_gather, after_compute=False), \
                 self.timing("time_h2d_s", self.s_gather):
             self._follow(self.s_gather, self.s_out)
             if free is not None:
                 self.s_gather.wait_event(free)
-            copy_rows(view, dst, where(), grid=GATHER_LOADS)
+            if r:
+                dst[:r].copy_(host[run[0]:run[1]], non_blocking=True)
+            copy_rows(view, dst[r:], where(), grid=GATHER_LOADS)
         return Ticket(dst, self._ready_event(self.s_gather))
 
     def fetch_range(self, host: Tensor, start: int, stop: int, slot: str) -> Ticket:

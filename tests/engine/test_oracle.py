@@ -745,6 +745,7 @@ def test_layer_1_rows_made_from_the_first_layers_aggregates(parts, chunks, devic
                               ordered_rows=True, first_in_flushes=into_first)
     assert ex.rows_from_aggregates and not plain.rows_from_aggregates
     assert ex.first_in_flushes == into_first and (ex._agg_layout is not None) == into_first
+    assert ex._reverse == into_first  # (layer 1's backward visits the steps last to first)
     assert ex._ordered_rows[1].shape == (plain._ordered_rows[1].shape[0], NUM_FEATURES)
     assert_matches(model, res.loss, *reference_step(model, g))
     assert res.loss == pytest.approx(before.loss, rel=1e-6)
@@ -781,6 +782,56 @@ def test_layer_1_rows_made_from_the_first_layers_aggregates(parts, chunks, devic
         assert ids.shape[0] > p1 and written.any()  # (rows made from aggregates)
     got, want = ex.evaluate(3), plain.evaluate(3)
     assert (got.correct, got.total) == (want.correct, want.total)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("chunks", [5, 8])
+def test_layer_1_backward_in_reverse_brings_first_loads_as_runs(chunks, device, monkeypatch):
+    """Where ``a^0`` is stored once in layer 1's load order, layer 1's backward
+    visits the steps last to first (:func:`~hongtu.engine.executor.backward_in_reverse`):
+    the rows a step flushes are the rows it loads, so the first layer's
+    backward brings the aggregates of the rows each step loads first as runs
+    of that buffer and gathers only the rows it loads again. Pieces of 3 rows
+    (so they straddle the two kinds): the loss and gradients are the
+    in-memory reference's and the forward-order fold's, every loaded row's
+    aggregate comes once, and the runs are exactly the steps' first loads."""
+    graph = CASES["halo_heavy"](seed=9)
+    init = Executor.__init__
+    monkeypatch.setattr(Executor, "__init__",
+                        lambda self, *a, **kw: init(self, *a, narrow_rows=True, **kw))
+    monkeypatch.setattr(executor, "flush_piece_rows", lambda *a, **kw: 3)
+    brought = []  # (run rows, gathered rows) per piece
+    gather = Mover.gather_rows
+
+    def spy(self, host, ids, out, free=None, at=None, run=(0, 0)):
+        brought.append((run, int(ids.shape[0])))
+        return gather(self, host, ids, out, free, at, run)
+
+    monkeypatch.setattr(Mover, "gather_rows", spy)
+    model = three_layers("gcn", True)
+    res, g, ex = chunked_step(model, graph, 1, chunks, "auto", device=device,
+                              ordered_rows=True)
+    assert ex._reverse and ex._flush_piece == 3
+    assert_matches(model, res.loss, *reference_step(model, g))
+    plan, fl = ex.plan.plan, ex._first_loads
+    loads = int(plan.load_ptr[-1])
+    again = loads - fl.count
+    assert again > 0  # (rows loaded again: gathered)
+    assert sum(r[1] - r[0] for r, _ in brought) == fl.count
+    assert sum(n for _, n in brought) == again
+    runs = sorted(r for r, _ in brought if r[1] > r[0])
+    assert runs[0][0] == 0 and runs[-1][1] == fl.count
+    assert all(a[1] == b[0] for a, b in zip(runs, runs[1:]))  # (each first load once)
+    brought.clear()
+    monkeypatch.setattr(executor, "backward_in_reverse", lambda *a: False)
+    before, _, plain = chunked_step(three_layers("gcn", True), graph, 1, chunks, "auto",
+                                    device=device, ordered_rows=True)
+    assert not plain._reverse and all(r == (0, 0) for r, _ in brought)
+    assert sum(n for _, n in brought) == loads  # (every flushed row gathered)
+    assert res.loss == pytest.approx(before.loss, rel=1e-6)
+    for (name, p), q in zip(model.named_parameters(), plain.model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert ex.mover.traffic.h2d_bytes == plain.mover.traffic.h2d_bytes
 
 
 def test_aggregates_as_layer_1_rows_where_narrower_whatever_their_bytes():

@@ -224,3 +224,27 @@ def test_streams_switch_back_and_waits_hold_with_one_event_per_stream():
         torch.cuda._sleep(10_000_000)
     mv.settle()
     assert {id(e) for e in mv._spare} == spare and mv.traffic.time_compute_s > before
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_gather_rows_brings_a_run_then_the_gathered_rows(device, overlap):
+    """``gather_rows(run=(a, b))``: rows ``a..b-1`` (one copy) and then the
+    gathered ones, positions translated through ``at`` where given, each row
+    counted once; a run alone or rows alone too."""
+    d = torch.device(device)
+    host = torch.arange(40 * 3, dtype=torch.float32).view(40, 3)
+    if d.type == "cuda":
+        host = host.pin_memory()
+    mv = Mover(d, {"dst": (1, 1)}, 3, torch.float32, overlap=overlap)
+    out = torch.full((12, 3), -1.0, device=d)
+    ids = torch.tensor([30, 2, 17], device=d)
+    for run, at in (((5, 9), None), ((0, 0), None), ((7, 16), None), ((5, 9), "flip")):
+        pos = torch.arange(39, -1, -1, device=d, dtype=torch.int32) if at else None
+        rows = ids[:0] if run == (7, 16) else ids
+        before = mv.traffic.h2d_rows
+        got = mv.take(mv.gather_rows(host, rows, out, at=pos, run=run))
+        where = rows.cpu() if pos is None else pos.cpu().long()[rows.cpu()]
+        want = torch.cat([host[run[0]:run[1]], host[where]])
+        assert torch.equal(got.cpu(), want)
+        assert mv.traffic.h2d_rows - before == want.shape[0]
