@@ -554,7 +554,9 @@ def backward_in_reverse(once: bool, comm) -> bool:
     where the first layer's backward runs on its flushes and reads ``a^0``
     stored once in layer 1's load order (``once``,
     :func:`aggregates_in_load_order`), in one process (``comm`` is ``None``:
-    several would have to reverse their exchanges together).
+    several would return received rows' gradients at the steps that received
+    them, all ranks reversing alone; tried on two H200s, R-MAT 2^22 GCN
+    3×256 took 0.197 against 0.190 s, one run each, and is not kept).
 
     A row's residency is the same interval of steps whichever way they run,
     so the plan's slots hold: in reverse, the rows entering at a step are
@@ -1257,6 +1259,12 @@ class Executor:
         """Layers whose update graph a training forward pass keeps for backward
         (``keep_graphs``; resident on one device only)."""
         return [l for l, k in enumerate(self._graph_layers) if k and self._direct]
+
+    @property
+    def backward_reversed(self) -> bool:
+        """Whether layer 1's backward visits the steps last to first
+        (:func:`backward_in_reverse`)."""
+        return self._reverse
 
     @property
     def first_in_flushes(self) -> bool:

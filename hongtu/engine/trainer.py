@@ -431,6 +431,9 @@ class Trainer:
         if ex.first_in_flushes:
             rows.append("first layer's backward run on layer 1's gradient flushes "
                         "(grad h^1 never goes to host memory)")
+        if ex.backward_reversed:
+            rows.append("layer 1's backward visits the batches last to first (the "
+                        "aggregates of each batch's new rows come as one copy)")
         if ex.ordered_input_bytes:
             rows.append(f"first layer's inputs kept in load order (engine.ordered_inputs): "
                         f"{format_size(ex.ordered_input_bytes)} of pinned host memory")

@@ -86,4 +86,5 @@ def run_job(rank, world, comm, case: str, layer: str, chunks: int, checkpoint: s
             "ordered_input_bytes": ex.ordered_input_bytes,
             "cached_rows": int(plan.cached_rows),
             "first_in_flushes": ex.first_in_flushes,
-            "aggregates_once": ex._agg_layout is not None}
+            "aggregates_once": ex._agg_layout is not None,
+            "reversed": ex.backward_reversed}

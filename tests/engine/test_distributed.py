@@ -226,12 +226,15 @@ def test_ranks_run_the_first_backward_on_their_flushes(two, k):
 def test_ranks_store_the_first_aggregates_once(two, k):
     """Each rank stores its own part's first-layer aggregates once, in the
     order its layer 1 first loads them, and gathers them for the first
-    layer's backward on its flushes through their positions; the all-reduced
-    step still matches one process and the reference."""
+    layer's backward on its flushes through their positions (several ranks
+    keep layer 1's backward in step order: it returns received rows'
+    gradients as they leave); the all-reduced step still matches one process
+    and the reference."""
     job = ONCE_JOBS[k]
     ranks = two[len(LAYER_JOBS) + len(FLAG_JOBS) + len(ORDERED_JOBS) + len(OWN_JOBS)
                 + len(FOLD_JOBS) + k]
-    assert all(r["aggregates_once"] and r["first_in_flushes"] for r in ranks)
+    assert all(r["aggregates_once"] and r["first_in_flushes"] and not r["reversed"]
+               for r in ranks)
     check_job(ranks, job, 2)
 
 

@@ -745,7 +745,7 @@ def test_layer_1_rows_made_from_the_first_layers_aggregates(parts, chunks, devic
                               ordered_rows=True, first_in_flushes=into_first)
     assert ex.rows_from_aggregates and not plain.rows_from_aggregates
     assert ex.first_in_flushes == into_first and (ex._agg_layout is not None) == into_first
-    assert ex._reverse == into_first  # (layer 1's backward visits the steps last to first)
+    assert ex.backward_reversed == into_first  # (layer 1's backward visits the steps last to first)
     assert ex._ordered_rows[1].shape == (plain._ordered_rows[1].shape[0], NUM_FEATURES)
     assert_matches(model, res.loss, *reference_step(model, g))
     assert res.loss == pytest.approx(before.loss, rel=1e-6)
