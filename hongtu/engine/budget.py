@@ -209,6 +209,15 @@ def flush_piece_rows(width: int, itemsize: int, max_rows: int, reserve: int = 0)
     return max(rows - -(-int(reserve) // (2 * row)), -(-rows // 4))
 
 
+def flush_piece_spare(width: int, itemsize: int, max_rows: int, reserve: int = 0) -> int:
+    """Bytes the two pieces of :func:`flush_piece_rows` can give up beyond
+    ``reserve`` before they reach their floor (a quarter of their rows): room
+    for more index arrays within what the estimate counts for them."""
+    row = max(1, width * itemsize)
+    rows = max(1, min(int(max_rows), FLUSH_PIECE_BYTES // row))
+    return max(0, 2 * (rows - -(-rows // 4)) * row - int(reserve))
+
+
 def first_layer_may_fold(model: GNN) -> bool:
     """Whether ``model`` lets its first layer's backward run on layer 1's
     gradient flushes (:func:`~hongtu.engine.executor.first_backward_in_flushes`

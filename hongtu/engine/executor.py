@@ -46,6 +46,7 @@ from hongtu.engine.budget import (
     first_layer_may_fold,
     first_layer_stores,
     flush_piece_rows,
+    flush_piece_spare,
     kept_graph_layers,
     plan_loads,
     row_memory,
@@ -549,14 +550,17 @@ def _aggregate_layout(fl: _FirstLoads, chunks: ChunkSet, n: int,
                             orders, runs)
 
 
-def backward_in_reverse(once: bool, comm) -> bool:
+def backward_in_reverse(once: bool, comm, fits: bool = True) -> bool:
     """Whether layer 1's backward pass visits the plan's steps last to first,
     where the first layer's backward runs on its flushes and reads ``a^0``
     stored once in layer 1's load order (``once``,
-    :func:`aggregates_in_load_order`), in one process (``comm`` is ``None``:
-    several would return received rows' gradients at the steps that received
-    them, all ranks reversing alone; tried on two H200s, R-MAT 2^22 GCN
-    3×256 took 0.197 against 0.190 s, one run each, and is not kept).
+    :func:`aggregates_in_load_order`), in one process (``comm`` is ``None``;
+    with several, each rank would send received rows' gradients back at the
+    step that received them: tried on two H200s, R-MAT 2^22 GCN 3×256 took
+    0.197 against 0.190 s, one run each, and is not kept), and where its
+    index arrays (:class:`_FoldOrder`) ``fits`` in the room the flush pieces
+    can give (:func:`~hongtu.engine.budget.flush_piece_spare`: the estimate
+    counts the pieces, not them).
 
     A row's residency is the same interval of steps whichever way they run,
     so the plan's slots hold: in reverse, the rows entering at a step are
@@ -570,7 +574,7 @@ def backward_in_reverse(once: bool, comm) -> bool:
     (``bench/HISTORY.md``): the hidden layer's backward pass 80.6 against
     87.7 ms on products-like (the GPU busy 65 against 78 ms), epochs 0.189
     against 0.197 s; 134 against 140 ms on R-MAT 2^22, 0.311 against 0.316 s."""
-    return bool(once and comm is None)
+    return bool(once and comm is None and fits)
 
 
 @dataclass
@@ -591,6 +595,11 @@ class _FoldOrder:
     def nbytes(self) -> int:
         """Device bytes of the arrays."""
         return sum(t.numel() * t.element_size() for t in (self.perm, self.again_pos))
+
+    @staticmethod
+    def bytes_for(loads: int, again: int, device: torch.device) -> int:
+        """:meth:`nbytes` of a plan with ``loads`` loads, ``again`` of them again."""
+        return loads * (4 if device.type == "cuda" and loads < 2**31 else 8) + 8 * again
 
 
 def _fold_order(plan: DevicePlan, fl: _FirstLoads, row0: int,
@@ -1122,16 +1131,20 @@ class Executor:
             self._store_ids = IndexRing(self.mover, chunk_ids, spare and spare[0])
             self._load_ids = IndexRing(self.mover, step_ids, spare and spare[1])
         # Layer 1's backward visits the steps last to first where the first
-        # layer's backward reads a^0 stored in load order (one process).
-        self._reverse = backward_in_reverse(self._agg_layout is not None, comm)
+        # layer's backward reads a^0 stored in load order (one process), its
+        # index arrays taking their room from the flush pieces.
+        w0, max_rows = widths[0], max(chunks.max_rows()[1], 1)
+        reserve = aggregate_positions_bytes(model, n, device.type == "cuda")
+        once = self._agg_layout is not None
+        fold = _FoldOrder.bytes_for(load_rows, load_rows - self._first_loads.count,
+                                    device) if once else 0
+        self._reverse = backward_in_reverse(
+            once, comm, fold <= flush_piece_spare(w0, itemsize, max_rows, reserve))
         self._fold = _fold_order(plan, self._first_loads, chunks.row0, device) \
             if self._reverse else None
-        if self._in_flushes:  # (the fold's index arrays take their room from the pieces)
-            w0 = widths[0]
+        if self._in_flushes:
             self._flush_piece = flush_piece_rows(
-                w0, buffers.h[0].element_size(), max(chunks.max_rows()[1], 1),
-                aggregate_positions_bytes(model, buffers.h[0].shape[0], device.type == "cuda")
-                + (self._fold.nbytes() if self._fold is not None else 0))
+                w0, itemsize, max_rows, reserve + (fold if self._reverse else 0))
             self._flush_rows = torch.empty((2, self._flush_piece, w0), dtype=self.dtype,
                                            device=device)
             self._flush_free = [None, None]  # (events: compute done with each)

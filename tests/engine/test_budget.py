@@ -706,3 +706,18 @@ def test_aggregate_positions_come_out_of_the_flush_pieces():
         assert estimate_device_bytes(narrow, sizes, num_nodes=n, device=device) \
             - estimate_device_bytes(narrow, sizes, device=device) \
             == 11 * n + budget.flush_pieces_bytes(narrow, rows, 4, n, gpu) - plain
+
+
+def test_flush_piece_spare_is_what_the_pieces_give_up_before_their_floor():
+    """The two pieces give up rows down to a quarter of them: what is left of
+    that room after ``reserve`` (never negative)."""
+    from hongtu.engine import budget
+
+    rows = budget.FLUSH_PIECE_BYTES // 400  # (100-wide float rows: the byte cap binds)
+    floor = -(-rows // 4)
+    assert budget.flush_piece_spare(100, 4, 10**9) == 2 * (rows - floor) * 400
+    assert budget.flush_piece_spare(100, 4, 1000, 1000) == 2 * 750 * 400 - 1000
+    assert budget.flush_piece_spare(100, 4, 1000, 10**9) == 0
+    spare = budget.flush_piece_spare(100, 4, 1000, 4000)
+    # (taking it all leaves the pieces at their floor, not below)
+    assert budget.flush_piece_rows(100, 4, 1000, 4000 + spare) == 250

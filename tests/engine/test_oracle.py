@@ -745,7 +745,6 @@ def test_layer_1_rows_made_from_the_first_layers_aggregates(parts, chunks, devic
                               ordered_rows=True, first_in_flushes=into_first)
     assert ex.rows_from_aggregates and not plain.rows_from_aggregates
     assert ex.first_in_flushes == into_first and (ex._agg_layout is not None) == into_first
-    assert ex.backward_reversed == into_first  # (layer 1's backward visits the steps last to first)
     assert ex._ordered_rows[1].shape == (plain._ordered_rows[1].shape[0], NUM_FEATURES)
     assert_matches(model, res.loss, *reference_step(model, g))
     assert res.loss == pytest.approx(before.loss, rel=1e-6)
@@ -800,6 +799,9 @@ def test_layer_1_backward_in_reverse_brings_first_loads_as_runs(chunks, device, 
     monkeypatch.setattr(Executor, "__init__",
                         lambda self, *a, **kw: init(self, *a, narrow_rows=True, **kw))
     monkeypatch.setattr(executor, "flush_piece_rows", lambda *a, **kw: 3)
+    # (the pieces of these small chunks cannot give up the room its arrays take:
+    # test_layer_1_backward_keeps_step_order_where_its_arrays_do_not_fit_the_pieces)
+    monkeypatch.setattr(executor, "flush_piece_spare", lambda *a, **kw: 1 << 40)
     brought = []  # (run rows, gathered rows) per piece
     gather = Mover.gather_rows
 
@@ -832,6 +834,34 @@ def test_layer_1_backward_in_reverse_brings_first_loads_as_runs(chunks, device, 
     for (name, p), q in zip(model.named_parameters(), plain.model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
     assert ex.mover.traffic.h2d_bytes == plain.mover.traffic.h2d_bytes
+    assert ex._fold.nbytes() == executor._FoldOrder.bytes_for(loads, again, torch.device(device))
+
+
+def test_layer_1_backward_keeps_step_order_where_its_arrays_do_not_fit_the_pieces(monkeypatch):
+    """Its index arrays (:class:`~hongtu.engine.executor._FoldOrder`) come out
+    of the room the flush pieces can give up (``budget.flush_piece_spare``),
+    which the estimate counts: where they do not fit it (as in these small
+    chunks' pieces), layer 1's backward keeps the steps' order; where they
+    just fit, it reverses, and the pieces give up their bytes."""
+    init = Executor.__init__
+    monkeypatch.setattr(Executor, "__init__",
+                        lambda self, *a, **kw: init(self, *a, narrow_rows=True, **kw))
+    graph = CASES["halo_heavy"](seed=9)
+    model = three_layers("gcn", True)
+    res, g, ex = chunked_step(model, graph, 1, 5, "auto", ordered_rows=True)
+    assert ex._agg_layout is not None and not ex.backward_reversed and ex._fold is None
+    assert_matches(model, res.loss, *reference_step(model, g))
+    loads = int(ex.plan.plan.load_ptr[-1])
+    need = executor._FoldOrder.bytes_for(loads, loads - ex._first_loads.count, ex.device)
+    pieces = ex._flush_piece
+    for room, reversed_ in ((need - 1, False), (need, True)):
+        monkeypatch.setattr(executor, "flush_piece_spare", lambda *a, room=room, **kw: room)
+        model = three_layers("gcn", True)
+        res, g, ex = chunked_step(model, graph, 1, 5, "auto", ordered_rows=True)
+        assert ex.backward_reversed == reversed_
+        assert_matches(model, res.loss, *reference_step(model, g))
+    assert ex._fold.nbytes() == need
+    assert ex._flush_piece < pieces  # (the arrays' room came out of the pieces)
 
 
 def test_aggregates_as_layer_1_rows_where_narrower_whatever_their_bytes():
