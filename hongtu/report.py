@@ -576,6 +576,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         own_rows_in_sources,
         own_rows_read,
         plan_handoffs,
+        plan_index_bytes,
         reads_rows_once,
         resolved_checkpoint,
         written_first,
@@ -760,7 +761,9 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         "transfers": traffic, "cost": _costs(main.plan, traffic, tp),
         "memory": {"budget": budget, "chunks": n, "rows": memory,
                    "suggested_chunks": min(fitting) if fitting else None,
-                   "fastest_chunks": fastest_count(memory)},
+                   "fastest_chunks": fastest_count(memory),
+                   # (the largest process's; the estimate leaves them out)
+                   "plan_index_bytes": max(map(plan_index_bytes, main.plan.plans))},
         "host": host, "notes": notes, "timings": t,
     }
     return Report(data, main.partition, main.plan)
@@ -945,6 +948,8 @@ def _memory_section(d: dict) -> list[str]:
                      _ms(r["lower_bound_s"]),
                      "<- this config" if r["chunks"] == mem["chunks"] else ""))
     lines += _table(rows, right={1, 2, 3, 4, 5, 6})
+    lines.append(f"  the transfer plan's index arrays on the device, not in the estimate: "
+                 f"{format_size(mem['plan_index_bytes'])} at {mem['chunks']} chunks")
     if mem["budget"] is None:
         lines.append("  no budget: set engine.device_memory to mark which chunk counts fit")
     elif mem["suggested_chunks"] is not None:

@@ -59,7 +59,8 @@ def test_text_report_has_every_section(capsys, tmp_path):
                    "cached aggregates", "cost C (Eq. 4) per epoch", "transfer lower bound",
                    "device memory per chunk", "<- this config", "throughput (GB/s)",
                    "host memory of one training process", "chunk blocks", "transfer plan",
-                   "available now: the buffers fit"):
+                   "available now: the buffers fit",
+                   "the transfer plan's index arrays on the device, not in the estimate"):
         assert phrase in out, phrase
 
 
@@ -281,6 +282,9 @@ def test_predicted_bytes_equal_what_the_engine_moves(tmp_path, extra):
                                             g.val_mask, g.test_mask)),
         "transfer plan": sum(a.nbytes for a in trainer.transfer_plan.to_npz_dict().values()),
         "flush staging": sum(t.nbytes for t in trainer.executor.mover._stages or [])}
+    # the plan's index arrays on the device, which the estimate leaves out
+    assert data["memory"]["plan_index_bytes"] == sum(
+        t.nbytes for t in vars(trainer.executor.plan).values() if isinstance(t, torch.Tensor))
     # (copies in load order on a GPU: all of them where host memory holds them, as here)
     assert sum(host["ordered_bytes"]) == (trainer.executor.ordered_input_bytes
                                           + trainer.executor.ordered_row_bytes)

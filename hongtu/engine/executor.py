@@ -811,8 +811,20 @@ def flush_staging_elements(plan: DevicePlan, split: np.ndarray, written: list[bo
     return most
 
 
+def plan_index_bytes(plan: DevicePlan) -> int:
+    """Device bytes of ``plan``'s index arrays as training holds them
+    (:class:`_PlanOnDevice`: int64, the loads' and flushes' ids and slots,
+    the chunks' slots and the exchange's), which the device estimate does
+    not count."""
+    p = plan
+    return 8 * (2 * int(p.load_ids.shape[0]) + 2 * int(p.flush_ids.shape[0])
+                + sum(int(a.shape[0]) for a in (p.chunk_slots, p.send_slots, p.recv_slots,
+                                                p.leave_slots, p.back_slots)))
+
+
 class _PlanOnDevice:
-    """A :class:`DevicePlan`'s index arrays on the compute device, sliced per step."""
+    """A :class:`DevicePlan`'s index arrays on the compute device, sliced per step
+    (:func:`plan_index_bytes`)."""
 
     def __init__(self, plan: DevicePlan, device: torch.device, row0: int = 0,
                  num_rows: int = 0, own_range=None) -> None:
