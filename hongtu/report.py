@@ -565,6 +565,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         first_aggregates_ordered,
         first_backward_in_flushes,
         first_in_place,
+        first_load_host_bytes,
         first_load_traffic,
         first_loaded_rows,
         first_step_rows,
@@ -710,7 +711,11 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
             max(counts, default=0) * itemsize * sum(
                 widths[0] if m == 1 and narrow else w
                 for m, (w, o) in enumerate(zip(widths, ordered))
-                if o and not (m == 1 and agg_once)))
+                if o and not (m == 1 and agg_once)),
+            # (their index arrays, pinned; with a^0 stored once, its rows' order too)
+            max((first_load_host_bytes(p, int(s.sizes.num_dst[np.unique(
+                np.asarray(p.chunk_ids))].sum()) if agg_once else 0) for p in plan.plans),
+                default=0) if any(ordered) else 0)
         return out
 
     t0 = time.perf_counter()
@@ -771,7 +776,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
 
 def _host_memory(s: _Setting, rows: int, widths: list[int], stored: list[bool], itemsize: int,
                  grads: list[bool], resident: bool, gpu: bool, structure_bytes: int,
-                 ordered: tuple[int, int], staged: int, devices: int) -> dict:
+                 ordered: tuple[int, int, int], staged: int, devices: int) -> dict:
     """What one training process holds in host memory out of core, as the trainer
     allocates it: its buffers (the trainer's
     :class:`~hongtu.engine.buffers.BufferPlan`, the check it makes before
@@ -781,8 +786,9 @@ def _host_memory(s: _Setting, rows: int, widths: list[int], stored: list[bool], 
     labels and masks, the transfer plan, on a GPU the pinned areas gradient
     flushes are staged in (each of ``staged`` elements, the largest flush), and,
     up to ``ordered``, the
-    copies kept in load order (inputs, later rows), which training takes
-    where 80% of the memory then available holds them. Set against the host
+    copies kept in load order (inputs, later rows; then the later rows' index
+    arrays), which training takes where 80% of the memory then available
+    holds them. Set against the host
     memory this machine has available now. Resident training allocates the
     buffers on the device instead."""
     from hongtu.engine.buffers import BufferPlan, available_host_memory
@@ -812,7 +818,8 @@ def _host_memory(s: _Setting, rows: int, widths: list[int], stored: list[bool], 
     return {"resident": resident, "entries": [list(x) for x in buffers],
             "buffers_bytes": sum(b for _, b in buffers),
             "others": [list(x) for x in others], "total_bytes": total,
-            "ordered_bytes": list(ordered) if gpu else [0, 0],
+            "ordered_bytes": list(ordered[:2]) if gpu else [0, 0],
+            "ordered_index_bytes": ordered[2] if gpu else 0,
             "available_bytes": available_host_memory()}
 
 
@@ -975,13 +982,16 @@ def _host_section(d: dict) -> list[str]:
     buffers = ", ".join(f"{name} {fs(b)}" for name, b in h["entries"])
     others = ", ".join(f"{name} {fs(b)}" for name, b in h["others"])
     inputs, rows = h["ordered_bytes"]
+    index = h["ordered_index_bytes"]
     lines = ["", f"host memory of one training process: {fs(h['total_bytes'])}: buffers "
              f"{fs(h['buffers_bytes'])} ({buffers}; h^0 is the features copied in the "
              f"partition's order), {others}"]
-    if inputs or rows:
+    if inputs or rows or index:
         lines.append(f"  and on a GPU up to {fs(inputs + rows)} of copies in load order "
                      f"(inputs {fs(inputs)}, rows {fs(rows)}), each kept where 80% of the "
-                     "host memory then available holds it")
+                     "host memory then available holds it"
+                     + (f", and {fs(index)} of the rows' index arrays (pinned)" if index
+                        else ""))
     fits = h["buffers_bytes"] <= h["available_bytes"]
     lines.append(f"  this machine has {fs(h['available_bytes'])} available now: the buffers "
                  + ("fit" if fits else "do not fit, training would stop with 'host memory "

@@ -41,6 +41,15 @@ def run(capsys, *argv) -> tuple[int, str, str]:
     return rc, captured.out, captured.err
 
 
+def executor_index_bytes(ex) -> int:
+    """Host bytes of the index arrays an executor keeps for rows written in
+    first-load order (and for ``a^0`` stored once)."""
+    fl, agg = ex._first_loads, ex._agg_layout
+    arrays = [] if fl is None else [t for _, t in fl.steps] + list(fl.chunks.values())
+    arrays += [] if agg is None else list(agg.orders.values())
+    return sum(t.nbytes for t in arrays)
+
+
 @pytest.fixture(scope="module")
 def report_json(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("report")
@@ -285,7 +294,9 @@ def test_predicted_bytes_equal_what_the_engine_moves(tmp_path, extra):
     # the plan's index arrays on the device, which the estimate leaves out
     assert data["memory"]["plan_index_bytes"] == sum(
         t.nbytes for t in vars(trainer.executor.plan).values() if isinstance(t, torch.Tensor))
-    # (copies in load order on a GPU: all of them where host memory holds them, as here)
+    # (copies in load order on a GPU: all of them where host memory holds them, as
+    # here; the rows' index arrays too)
+    assert host["ordered_index_bytes"] == executor_index_bytes(trainer.executor)
     assert sum(host["ordered_bytes"]) == (trainer.executor.ordered_input_bytes
                                           + trainer.executor.ordered_row_bytes)
     if extra[:2] == ["engine.parts=1", "model.layers=3"] and len(extra) == 3:

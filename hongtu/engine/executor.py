@@ -400,6 +400,16 @@ def ordered_rows_room(plan: DevicePlan, once: list[bool], enabled: bool, left: i
     return need if left is None or need <= left else None
 
 
+def first_load_host_bytes(plan: DevicePlan, rows: int = 0) -> int:
+    """Host bytes (pinned on a GPU) of the index arrays of rows written in
+    first-load order (:class:`_FirstLoads`, int64: each step's, the cids of
+    its loads again and the slots of all its loads, and each chunk's, two per
+    row it loads), and with ``rows`` (a process's own rows, where ``a^0`` is
+    stored once: :class:`_AggregateLayout`) each chunk's order of its rows."""
+    loads = int(plan.load_ids.shape[0])
+    return 8 * (2 * loads + first_loaded_rows(plan) + int(rows))
+
+
 def first_load_traffic(plan: DevicePlan, loaded: int) -> tuple[int, int]:
     """Bytes of those index arrays per pass (host→device, a GPU): ``(a pass that
     writes rows in first-load order, a pass that loads them)``, given the

@@ -835,6 +835,13 @@ def test_layer_1_backward_in_reverse_brings_first_loads_as_runs(chunks, device, 
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
     assert ex.mover.traffic.h2d_bytes == plain.mover.traffic.h2d_bytes
     assert ex._fold.nbytes() == executor._FoldOrder.bytes_for(loads, again, torch.device(device))
+    # (the index arrays of rows in first-load order and of a^0's order, as the
+    # report counts them in host memory)
+    held = [t for _, t in fl.steps] + list(fl.chunks.values()) \
+        + list(ex._agg_layout.orders.values())
+    assert sum(t.nbytes for t in held) == executor.first_load_host_bytes(plan, g.num_nodes)
+    held = [t for _, t in plain._first_loads.steps] + list(plain._first_loads.chunks.values())
+    assert sum(t.nbytes for t in held) == executor.first_load_host_bytes(plan)
 
 
 def test_layer_1_backward_keeps_step_order_where_its_arrays_do_not_fit_the_pieces(monkeypatch):
