@@ -196,6 +196,12 @@ def grown_row_memory(memory: int, spare_bytes: int | None, num_rows: int, widths
     return max([n for n in needs if n is not None and n <= top] + [int(memory)])
 
 
+def _piece_rows(width: int, itemsize: int, max_rows: int) -> tuple[int, int]:
+    """``(bytes of a row, rows)`` of a whole piece of :func:`flush_piece_rows`."""
+    row = max(1, width * itemsize)
+    return row, max(1, min(int(max_rows), FLUSH_PIECE_BYTES // row))
+
+
 def flush_piece_rows(width: int, itemsize: int, max_rows: int, reserve: int = 0) -> int:
     """Rows of a piece of the first layer's backward run on layer 1's flushes
     (:func:`~hongtu.engine.executor.first_backward_in_flushes`): at most
@@ -204,8 +210,7 @@ def flush_piece_rows(width: int, itemsize: int, max_rows: int, reserve: int = 0)
     computes on at once), each of the two pieces giving up half of
     ``reserve`` bytes (:func:`aggregate_positions_bytes`), down to a quarter
     of its rows."""
-    row = max(1, width * itemsize)
-    rows = max(1, min(int(max_rows), FLUSH_PIECE_BYTES // row))
+    row, rows = _piece_rows(width, itemsize, max_rows)
     return max(rows - -(-int(reserve) // (2 * row)), -(-rows // 4))
 
 
@@ -213,8 +218,7 @@ def flush_piece_spare(width: int, itemsize: int, max_rows: int, reserve: int = 0
     """Bytes the two pieces of :func:`flush_piece_rows` can give up beyond
     ``reserve`` before they reach their floor (a quarter of their rows): room
     for more index arrays within what the estimate counts for them."""
-    row = max(1, width * itemsize)
-    rows = max(1, min(int(max_rows), FLUSH_PIECE_BYTES // row))
+    row, rows = _piece_rows(width, itemsize, max_rows)
     return max(0, 2 * (rows - -(-rows // 4)) * row - int(reserve))
 
 

@@ -532,6 +532,12 @@ class _AggregateLayout:
     runs: dict
 
 
+def _index_dtype(device: torch.device, n: int) -> torch.dtype:
+    """The dtype of a device index array of ``n`` entries or values: int32 on
+    a GPU where they fit, else int64."""
+    return torch.int32 if device.type == "cuda" and n < 2**31 else torch.int64
+
+
 def _aggregate_layout(fl: _FirstLoads, chunks: ChunkSet, n: int,
                       device: torch.device) -> _AggregateLayout:
     """The :class:`_AggregateLayout` of ``n`` local rows loaded as ``fl`` says."""
@@ -555,9 +561,9 @@ def _aggregate_layout(fl: _FirstLoads, chunks: ChunkSet, n: int,
         orders[c] = torch.from_numpy(order.astype(np.int64))
     if device.type == "cuda":
         orders = dict(zip(orders, pinned_copies(list(orders.values()))))
-    dtype = torch.int32 if device.type == "cuda" and n < 2**31 else torch.int64
-    return _AggregateLayout(torch.from_numpy(pos).to(device=device, dtype=dtype), first,
-                            orders, runs)
+    return _AggregateLayout(torch.from_numpy(pos).to(device=device,
+                                                     dtype=_index_dtype(device, n)),
+                            first, orders, runs)
 
 
 def backward_in_reverse(once: bool, comm, fits: bool = True) -> bool:
@@ -609,7 +615,7 @@ class _FoldOrder:
     @staticmethod
     def bytes_for(loads: int, again: int, device: torch.device) -> int:
         """:meth:`nbytes` of a plan with ``loads`` loads, ``again`` of them again."""
-        return loads * (4 if device.type == "cuda" and loads < 2**31 else 8) + 8 * again
+        return loads * _index_dtype(device, loads).itemsize + 8 * again
 
 
 def _fold_order(plan: DevicePlan, fl: _FirstLoads, row0: int,
@@ -624,8 +630,8 @@ def _fold_order(plan: DevicePlan, fl: _FirstLoads, row0: int,
     pos = fl.cid[np.searchsorted(fl.rows, ids)]
     again_ptr = np.zeros(plan.num_steps + 1, dtype=np.int64)
     np.cumsum(np.bincount(step[again], minlength=plan.num_steps), out=again_ptr[1:])
-    dtype = torch.int32 if device.type == "cuda" and perm.shape[0] < 2**31 else torch.int64
-    return _FoldOrder(torch.from_numpy(perm).to(device=device, dtype=dtype),
+    return _FoldOrder(torch.from_numpy(perm).to(device=device,
+                                                dtype=_index_dtype(device, perm.shape[0])),
                       torch.from_numpy(pos).to(device), again_ptr)
 
 
@@ -1955,8 +1961,7 @@ class Executor:
         fl, fo = self._first_loads, self._fold
         r0, first = int(fl.run[s]), int(fl.run[s + 1] - fl.run[s])
         g0 = int(fo.again_ptr[s])
-        again = fo.again_pos[g0 + max(a - first, 0):g0 + b - first] if b > first \
-            else fo.again_pos[:0]
+        again = fo.again_pos[g0 + max(a - first, 0):g0 + max(b - first, 0)]
         run = (r0 + min(a, first), r0 + min(b, first))
         return self.mover.gather_rows(self.buf.agg[0], again, out, free, run=run), a, b
 
