@@ -119,7 +119,8 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
              early: list[bool] | None = None, first: tuple[int, int] = (0, 0),
              own: list[bool] | None = None, own_forward: list[bool] | None = None,
              into_first: bool = False, blocks: list[tuple[int, int]] | None = None,
-             narrow: bool = False, d2d_rows: int = 0, agg_once: bool = False) -> dict:
+             narrow: bool = False, d2d_rows: int = 0, agg_once: bool = False,
+             kept_agg: int = 0) -> dict:
     """Bytes of one training step (forward, loss, backward) as the executor moves them.
 
     ``cached[l]``: layer ``l``'s backward reads no rows, ``stored[l]``: its
@@ -161,7 +162,10 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
     every forward pass (evaluation's too) and the backward reload of a layer
     that is not cached send them at its width, and every backward pass but
     the first layer's returns their gradients (``d2d_bytes``,
-    ``evaluation_d2d_bytes``).
+    ``evaluation_d2d_bytes``). ``kept_agg``: rows of layer 1's aggregates
+    that stay on the device from its forward pass to its backward
+    (:func:`~hongtu.engine.executor.keeps_last_aggregate`), neither stored nor
+    loaded.
     """
     n = num_nodes
     ordered = list(ordered or []) + [False] * (len(widths) - len(ordered or []))
@@ -198,10 +202,10 @@ def _traffic(widths, cached, stored, needs_dst, itemsize: int, num_nodes: int, h
             "backward_reload_bytes": 0 if cached[l] else loads,
             "flush_bytes": 0 if l == 0 or kept[l] or (l == 1 and into_first) else (
                 n if all_rows else d2h_rows - (held if l == 1 else 0)) * row,
-            "aggregate_d2h_bytes": n * row if stored[l] else 0,
+            "aggregate_d2h_bytes": (n - kept_agg * (l == 1)) * row if stored[l] else 0,
             # (the first layer's: of the rows layer 1 flushes, into_first)
-            "aggregate_h2d_bytes": ((d2h_rows if l == 0 and into_first else n) * row
-                                    if stored[l] else 0),
+            "aggregate_h2d_bytes": ((d2h_rows if l == 0 and into_first else n - kept_agg * (l == 1))
+                                    * row if stored[l] else 0),
             # own rows h^l[V] (forward and backward), ∇h^{l+1}[V] in backward
             "range_h2d_bytes": dst_fwd + dst_bwd + (
                 0 if kept[l + 1] or (l == 0 and into_first) else n * out),
@@ -554,6 +558,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
 
     from hongtu.engine.budget import (
         Chunkings,
+        aggregate_positions_bytes,
         more_chunks,
         more_chunks_text,
         plan_loads,
@@ -561,6 +566,7 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
     )
     from hongtu.engine.executor import (
         aggregates_in_load_order,
+        backward_in_reverse,
         early_layers,
         first_aggregates_ordered,
         first_backward_in_flushes,
@@ -570,7 +576,9 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         first_loaded_rows,
         first_step_rows,
         flush_staging_elements,
+        fold_fits,
         held_rows,
+        keeps_last_aggregate,
         ordered_row_layers,
         own_rows_copied,
         own_rows_forward,
@@ -690,9 +698,18 @@ def build_report(cfg: Config, parts_list: list[int] | None = None,
         # (blocks are copied pass by pass on a GPU where they do not stay there)
         blocks = _block_bytes(model, s, cached, n, itemsize, into) if gpu else None
         agg_once = aggregates_in_load_order(narrow, into)
+        # (layer 1's backward reversed, one process: the last chunk's aggregates
+        # of layer 1 stay on the device)
+        once1 = agg_once and len(ordered) > 1 and ordered[1] and bool(counts) and counts[0] > 0
+        one = plan.plans[0]
+        reverse = e.devices == 1 and backward_in_reverse(once1, None, once1 and fold_fits(
+            one, counts[0], widths[0], itemsize, max(int(s.sizes.num_dst.max()), 1),
+            aggregate_positions_bytes(model, n, gpu), torch.device(ctx["device"])))
+        kept_agg = int(s.sizes.num_dst[int(np.asarray(one.chunk_ids)[-1])]) \
+            if keeps_last_aggregate(reverse, stored) else 0
         out = _traffic(widths, cached, stored, needs_dst, itemsize, n, plan.h2d_rows,
                        plan.d2h_rows, hand, ordered, sum(counts), index, held, early, first,
-                       own, fwd, into, blocks, narrow, plan.d2d_rows, agg_once)
+                       own, fwd, into, blocks, narrow, plan.d2d_rows, agg_once, kept_agg)
         # (host copies in load order, one process's: the inputs' loads, the rows' first loads)
         loads = max(int(p.load_ids.shape[0]) for p in plan.plans)
         # (the most elements one gradient flush stages in pinned host memory, of any

@@ -877,3 +877,31 @@ def test_engine_line_names_tf32_products_for_a_gpu_run(tmp_path, accelerator, pr
     d = build_report(cfg, parts_list=[], chunks_list=[]).data
     assert d["engine"]["precision"] == precision
     assert any(line.endswith(f"checkpoint=auto, {said}") for line in format_report(d).splitlines())
+
+
+def test_report_moves_no_bytes_of_layer_1s_aggregates_kept_on_the_device(tmp_path, monkeypatch):
+    """Where layer 1's backward visits the steps in reverse (a GPU, one process,
+    ``a^0`` stored once in its load order), the aggregates layer 1 makes for its
+    forward pass's last chunk stay on the device for that backward
+    (:func:`~hongtu.engine.executor.keeps_last_aggregate`): the report's epoch
+    moves their bytes neither way, and nothing else changes. (The GPU variants
+    of ``test_predicted_bytes_equal_what_the_engine_moves`` check the bytes
+    against training's.)"""
+    from hongtu.engine import executor
+
+    # (room in the flush pieces for the reversed fold's index arrays)
+    monkeypatch.setattr(executor, "flush_piece_spare", lambda *a, **kw: 1 << 40)
+    args = ("engine.resident=false", "engine.whole_layers=false", "engine.chunks=8",
+            "engine.ordered_inputs=false", "model.hidden=256", "data.path=builtin:rmat-16")
+    _, kept = gpu_report(tmp_path, *args)
+    monkeypatch.setattr(executor, "keeps_last_aggregate", lambda *a: False)
+    _, plain = gpu_report(tmp_path, *args)
+    a, b = kept["transfers"], plain["transfers"]
+    moved = b["layers"][1]["aggregate_d2h_bytes"] - a["layers"][1]["aggregate_d2h_bytes"]
+    assert moved > 0 and moved % (256 * 4) == 0  # (a chunk's rows of a^1)
+    assert b["layers"][1]["aggregate_h2d_bytes"] - a["layers"][1]["aggregate_h2d_bytes"] == moved
+    assert (b["epoch"]["h2d_bytes"] - a["epoch"]["h2d_bytes"],
+            b["epoch"]["d2h_bytes"] - a["epoch"]["d2h_bytes"]) == (moved, moved)
+    for x, y in zip(a["layers"], b["layers"]):
+        if x["layer"] != 1:
+            assert x == y

@@ -593,6 +593,29 @@ def backward_in_reverse(once: bool, comm, fits: bool = True) -> bool:
     return bool(once and comm is None and fits)
 
 
+def fold_fits(plan: DevicePlan, first_loads: int, w0: int, itemsize: int, max_rows: int,
+              reserve: int, device: torch.device) -> bool:
+    """Whether the index arrays of layer 1's reversed backward
+    (:class:`_FoldOrder`: ``plan``'s loads, ``first_loads`` of them distinct)
+    fit the room the flush pieces can give (their rows ``w0`` elements wide,
+    ``max_rows`` the most a chunk has, ``reserve`` bytes taken from them
+    already: :func:`~hongtu.engine.budget.flush_piece_spare`)."""
+    loads = int(plan.load_ids.shape[0])
+    return _FoldOrder.bytes_for(loads, loads - first_loads, device) \
+        <= flush_piece_spare(w0, itemsize, max_rows, reserve)
+
+
+def keeps_last_aggregate(reverse: bool, stored: list[bool]) -> bool:
+    """Whether layer 1's aggregates of the training forward pass's last chunk
+    stay on the device for its backward, which visits that chunk first
+    (:func:`backward_in_reverse`): written into the device slot its load
+    would land in, neither stored nor loaded (on R-MAT 2^22 GCN 3×256 the
+    backward pass otherwise waits for that store, the last of the forward
+    pass's, to load them back). Not where a later layer stores an aggregate
+    too: its backward passes load theirs into those slots in between."""
+    return bool(reverse and len(stored) > 1 and stored[1] and not any(stored[2:]))
+
+
 @dataclass
 class _FoldOrder:
     """The order of the rows layer 1's steps load, as its reversed backward
@@ -1167,7 +1190,13 @@ class Executor:
         fold = _FoldOrder.bytes_for(load_rows, load_rows - self._first_loads.count,
                                     device) if once else 0
         self._reverse = backward_in_reverse(
-            once, comm, fold <= flush_piece_spare(w0, itemsize, max_rows, reserve))
+            once, comm, once and fold_fits(plan, self._first_loads.count, w0, itemsize,
+                                           max_rows, reserve, device))
+        # (layer 1's aggregates of the last chunk: (chunk, ticket) from a
+        # training forward pass to the backward's first read)
+        self._keep_last = keeps_last_aggregate(self._reverse, self.stored) \
+            and buffers.agg[1] is not None
+        self._kept_agg = None
         self._fold = _fold_order(plan, self._first_loads, chunks.row0, device) \
             if self._reverse else None
         if self._in_flushes:
@@ -1300,6 +1329,12 @@ class Executor:
         """Layers whose update graph a training forward pass keeps for backward
         (``keep_graphs``; resident on one device only)."""
         return [l for l, k in enumerate(self._graph_layers) if k and self._direct]
+
+    @property
+    def keeps_last_aggregate(self) -> bool:
+        """Whether layer 1's aggregates of the training forward pass's last chunk
+        stay on the device for its reversed backward (:func:`keeps_last_aggregate`)."""
+        return self._keep_last
 
     @property
     def backward_reversed(self) -> bool:
@@ -1581,6 +1616,7 @@ class Executor:
         # evaluation leaves every h^l in host memory, where predict reads them)
         keep = self.rows_kept and train
         self._graphs.clear()  # (a training forward pass without its backward left some)
+        self._kept_agg = None
         graphs = set(self.kept_graphs) if train else set()
         for l in range(L):
             layer = model.layers[l]
@@ -1657,7 +1693,9 @@ class Executor:
                                         self._grad_rows(L)[v0:v1] if kept else None) \
                         if l == L - 1 else None
                 once = l == 0 and self._agg_layout is not None and a is not None
-                if a is not None and not once:
+                if a is not None and l == 1 and self._keep_last and i == len(plan.items) - 1:
+                    self._kept_agg = (c, mv.keep_range(a, "aux"))  # (keeps_last_aggregate)
+                elif a is not None and not once:
                     mv.store_range(buf.agg[l], v0, a)
                 if l == self._rows_layer - 1 and keep:
                     self._whole_rows(l + 1)[v0:v1].copy_(out)
@@ -1687,8 +1725,22 @@ class Executor:
                 if progress is not None:
                     progress(1)
 
-            self._run_pass(fetch, run)
+            self._run_pass(fetch, run, loose=train and self._ends_before_stores(l))
         return acc
+
+    def _ends_before_stores(self, l: int) -> bool:
+        """Whether training's forward pass of layer ``l`` may end before its
+        stores are done, the next pass computing while they go (the stores of
+        a^1 on R-MAT 2^22 GCN 3×256 went on 29 ms after the hidden layer's
+        last chunk computed): each store reads a tensor compute made for it,
+        which the allocator keeps until it is stored (:meth:`Mover.join`), and
+        every load of rows after it waits for it (:meth:`Mover.barrier`). Not
+        where the pass writes the next layer's rows in first-load order by
+        index arrays that the store stream reads from memory backward passes
+        load into (:meth:`Mover.forward_spare`); one process."""
+        ordered = l + 1 < self.model.num_layers and self._ordered_rows[l + 1] is not None \
+            and not (l == 0 and self._agg_layout is not None)
+        return self.comm is None and not ordered
 
     def _store_aggregates(self, c: int, a: Tensor, out: Tensor, places) -> None:
         """Store chunk ``c``'s first-layer aggregates ``a`` where layer 1 loads
@@ -1723,7 +1775,7 @@ class Executor:
         self._graphs[(l, c)] = (a, x_dst, out)
         return out.detach()
 
-    def _run_pass(self, fetch, run, after=None) -> None:
+    def _run_pass(self, fetch, run, after=None, loose: bool = False) -> None:
         """One layer pass over the plan's items.
 
         ``fetch(i)`` issues item ``i``'s transfers and returns what ``run(i,
@@ -1732,7 +1784,10 @@ class Executor:
         transfers target (before it computes item ``i``), so the next batch's
         rows travel while this one computes; without, item ``i+1`` is fetched
         after item ``i`` ran. ``after()``, at the last item's ``fetch_next``,
-        issues transfers of the pass after this one.
+        issues transfers of the pass after this one. At the end compute waits
+        for the pass's loads, and for its stores unless ``loose``
+        (:meth:`_ends_before_stores`) or there were none (the pending ones
+        are then a loose pass's).
         """
         mv, n = self.mover, len(self.plan.items)
         mv.barrier()
@@ -1750,7 +1805,7 @@ class Executor:
 
             run(i, ahead, fetch_next)
             ahead = box[0] if box else (fetch(i + 1) if i + 1 < n else None)
-        mv.join(mark[0] if mark else None)
+        mv.join(mark[0] if mark else None, stores=not loose and mv.stored_in_pass)
 
     def _exchange(self, s: int, tbuf: Tensor) -> None:
         """Rows entering other ranks' receive areas go to them; rows entering this
@@ -1997,8 +2052,13 @@ class Executor:
         transpose only)."""
         mv = self.mover
         v0, v1 = self.chunks.range(c)
-        agg = mv.fetch_range(self.buf.agg[l], v0, v1, "aux") \
-            if self.stored[l] and self.buf.agg[l] is not None else None  # (none: graph kept)
+        kept = self._kept_agg if l == 1 else None
+        if kept is not None and kept[0] == c:  # (on the device: keeps_last_aggregate)
+            agg, self._kept_agg = kept[1], None
+        elif self.stored[l] and self.buf.agg[l] is not None:
+            agg = mv.fetch_range(self.buf.agg[l], v0, v1, "aux")
+        else:
+            agg = None  # (none stored, or its graph kept)
         if self.cached[l] and l == 0:
             return agg, self._blocks[c]
         return agg, self._fetch_block(c, Block.NOT_TRANSPOSED if self.cached[l] else ())

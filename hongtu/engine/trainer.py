@@ -433,7 +433,9 @@ class Trainer:
                         "(grad h^1 never goes to host memory)")
         if ex.backward_reversed:
             rows.append("layer 1's backward visits the batches last to first (the "
-                        "aggregates of each batch's new rows come as one copy)")
+                        "aggregates of each batch's new rows come as one copy"
+                        + ("; layer 1's aggregates of the last batch stay on the device"
+                           if ex.keeps_last_aggregate else "") + ")")
         if ex.ordered_input_bytes:
             rows.append(f"first layer's inputs kept in load order (engine.ordered_inputs): "
                         f"{format_size(ex.ordered_input_bytes)} of pinned host memory")

@@ -402,6 +402,12 @@ class Mover:
         self.pass_bytes: list = []
         self.compute = self.s_in = self.s_out = self.s_widen = self.s_gather = None
         self._marks: dict = {}  # per stream: the event _follow records on it
+        # the stores issued before this pass (barrier), which loads of rows
+        # and ranges wait for: the streams that wait already; any store issued
+        # since (join)
+        self._stores_before = None
+        self._after_stores: set = set()
+        self._stored = False
         if self.cuda:
             # work is issued on this stream but where the mover selects another (_on)
             self.compute = torch.cuda.current_stream(device)
@@ -468,6 +474,7 @@ class Mover:
             return
         if after_compute:
             self._follow(stream, self.compute)
+        self._stored = self._stored or stream is self.s_out
         prev, self._current = self._current, stream
         torch.cuda.set_stream(stream)  # (a tenth of torch.cuda.stream's host time)
         try:
@@ -515,32 +522,56 @@ class Mover:
         return ev
 
     def barrier(self) -> None:
-        """Loads issued from now on see every store issued so far.
+        """Loads of rows and ranges issued from now on see every store issued so far.
 
-        Call at the start of a layer pass: it reads what the previous one wrote.
-        (A load into device memory that compute used waits for the compute
-        issued before it, :meth:`_on`; a block's copy, into memory of its own,
-        does not: the next pass's first block travels while this one ends.)
+        Call at the start of a layer pass: it reads what the passes before
+        wrote. The load stream waits for those stores at the first such load
+        (:meth:`_see_stores`); copies of what no store writes (blocks, index
+        arrays) do not wait, so a pass that begins with them starts while the
+        stores of the pass before, which did not wait for them
+        (:meth:`join`), still go. (A load into device memory that compute used
+        waits for the compute issued before it, :meth:`_on`; a block's copy,
+        into memory of its own, does not: the next pass's first block travels
+        while this one ends.)
         """
         if self.overlap:
-            self._follow(self.s_in, self.s_out)
+            self._stores_before = self._ready_event(self.s_out)
+            self._after_stores = set()
+            self._stored = False
         if self.timeline is not None and self.cuda:
             mark = self._timer()
             mark.record(self.compute)
             self._events.append(("pass", mark, mark))
             self.pass_bytes.append((self.traffic.h2d_bytes, self.traffic.d2h_bytes))
 
-    def join(self, loads_until=None) -> None:
+    def join(self, loads_until=None, stores: bool = True) -> None:
         """Compute waits for every transfer issued so far (the end of a pass); for
         loads, with ``loads_until`` (a :meth:`load_mark`), only for those issued
         before it (later ones are the next pass's, which takes each as it
-        needs it)."""
+        needs it). Without ``stores``, not for stores: where each read memory
+        of its own (a tensor compute made for it, which the allocator keeps
+        until the store is done, :meth:`_keep`), the next pass computes while
+        they go, and its loads of rows see them (:meth:`barrier`)."""
         if self.overlap:
             if loads_until is None:
                 self._follow(self.compute, self.s_in)
             else:
                 self.compute.wait_event(loads_until)
-            self._follow(self.compute, self.s_out)
+            if stores:
+                self._follow(self.compute, self.s_out)
+
+    @property
+    def stored_in_pass(self) -> bool:
+        """Whether work went to the store stream since the pass began (:meth:`barrier`)."""
+        return self._stored
+
+    def _see_stores(self, stream) -> None:
+        """Work issued on ``stream`` from now on waits for the stores issued
+        before the pass (:meth:`barrier`): before a load of rows or a range,
+        which a store may have written."""
+        if self._stores_before is not None and id(stream) not in self._after_stores:
+            stream.wait_event(self._stores_before)
+            self._after_stores.add(id(stream))
 
     def load_mark(self):
         """An event after the loads issued so far (for :meth:`join`), or ``None``."""
@@ -602,10 +633,12 @@ class Mover:
                 self.compute.synchronize()
             return Ticket(None)
         if not self.overlap or direct:
+            self._see_stores(self.s_in)
             with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
                 copy_rows(view, buf, ids, slots)
             return Ticket(None, self._ready_event(self.s_in))
         out = self._rows_stage[: rows * width].view(rows, width)
+        self._see_stores(self.s_in)
         with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
             copy_rows(view, out, ids)
         return Ticket(out, self._ready_event(self.s_in), slots, buf)
@@ -642,6 +675,7 @@ class Mover:
                 _columns(buf, width).index_copy_(0, slots, src)
             return Ticket(None)
         if direct and ids is None:
+            self._see_stores(self.s_in)
             with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
                 _columns(buf, width)[at:at + rows].copy_(src, non_blocking=True)
             return Ticket(None, self._ready_event(self.s_in))
@@ -649,6 +683,7 @@ class Mover:
             raise ValueError("fetch_run without overlap lands a run directly only "
                              "(direct=True, no ids)")
         out = self._rows_stage[: rows * width].view(rows, width)
+        self._see_stores(self.s_in)
         with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
             out[:k].copy_(src, non_blocking=True)
             if ids is not None:
@@ -742,15 +777,30 @@ class Mover:
         k = self._turn[slot]
         self._turn[slot] = (k + 1) % len(self._dev[slot])
         out = self._dev[slot][k][: rows * width].view(rows, width)
+        self._see_stores(self.s_in)
         with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
             out.copy_(host[start:stop], non_blocking=True)
         return Ticket(out, self._ready_event(self.s_in))
+
+    def keep_range(self, value: Tensor, slot: str) -> Ticket:
+        """Put ``value`` (rows compute made) where the next :meth:`fetch_range`
+        into ``slot`` would land them, instead of storing them and fetching
+        them back (on compute; no link traffic); :meth:`take` gives them. The
+        caller fetches nothing into ``slot`` before it takes them."""
+        rows, width = int(value.shape[0]), int(value.shape[1])
+        k = self._turn[slot]
+        self._turn[slot] = (k + 1) % len(self._dev[slot])
+        out = self._dev[slot][k][: rows * width].view(rows, width)
+        with self.timing("time_compute_s"):
+            out.copy_(value)
+        return Ticket(out)
 
     def fetch_all(self, host: Tensor, out: Tensor) -> Ticket:
         """Start copying all of ``host`` into ``out`` on the device (one DMA);
         :meth:`place` waits for it."""
         rows, width = int(host.shape[0]), int(host.shape[1])
         self._count(host, "h2d", rows, width)
+        self._see_stores(self.s_in)
         with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
             out.copy_(host, non_blocking=True)
         return Ticket(None, self._ready_event(self.s_in))

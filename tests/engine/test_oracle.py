@@ -793,7 +793,10 @@ def test_layer_1_backward_in_reverse_brings_first_loads_as_runs(chunks, device, 
     of that buffer and gathers only the rows it loads again. Pieces of 3 rows
     (so they straddle the two kinds): the loss and gradients are the
     in-memory reference's and the forward-order fold's, every loaded row's
-    aggregate comes once, and the runs are exactly the steps' first loads."""
+    aggregate comes once, and the runs are exactly the steps' first loads.
+    Layer 1's aggregates of the forward pass's last chunk, which the reversed
+    backward visits first, stay on the device (never stored, never loaded:
+    a second step with NaN in their host rows is the first step)."""
     graph = CASES["halo_heavy"](seed=9)
     init = Executor.__init__
     monkeypatch.setattr(Executor, "__init__",
@@ -813,7 +816,7 @@ def test_layer_1_backward_in_reverse_brings_first_loads_as_runs(chunks, device, 
     model = three_layers("gcn", True)
     res, g, ex = chunked_step(model, graph, 1, chunks, "auto", device=device,
                               ordered_rows=True)
-    assert ex._reverse and ex._flush_piece == 3
+    assert ex._reverse and ex._flush_piece == 3 and ex._keep_last
     assert_matches(model, res.loss, *reference_step(model, g))
     plan, fl = ex.plan.plan, ex._first_loads
     loads = int(plan.load_ptr[-1])
@@ -833,7 +836,11 @@ def test_layer_1_backward_in_reverse_brings_first_loads_as_runs(chunks, device, 
     assert res.loss == pytest.approx(before.loss, rel=1e-6)
     for (name, p), q in zip(model.named_parameters(), plain.model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
-    assert ex.mover.traffic.h2d_bytes == plain.mover.traffic.h2d_bytes
+    agg, (v0, v1) = ex.buf.agg[1], ex.chunks.range(ex.plan.items[-1][2])
+    kept = (v1 - v0) * agg.shape[1] * agg.element_size()  # (its bytes, either way)
+    assert kept > 0 and not plain._keep_last
+    assert ex.mover.traffic.h2d_bytes == plain.mover.traffic.h2d_bytes - kept
+    assert ex.mover.traffic.d2h_bytes == plain.mover.traffic.d2h_bytes - kept
     assert ex._fold.nbytes() == executor._FoldOrder.bytes_for(loads, again, torch.device(device))
     # (the index arrays of rows in first-load order and of a^0's order, as the
     # report counts them in host memory)
@@ -842,6 +849,17 @@ def test_layer_1_backward_in_reverse_brings_first_loads_as_runs(chunks, device, 
     assert sum(t.nbytes for t in held) == executor.first_load_host_bytes(plan, g.num_nodes)
     held = [t for _, t in plain._first_loads.steps] + list(plain._first_loads.chunks.values())
     assert sum(t.nbytes for t in held) == executor.first_load_host_bytes(plan)
+    # A second step with NaN where host memory holds layer 1's aggregates is the
+    # first: the last chunk's are neither written there nor read back.
+    grads = [p.grad.clone() for p in model.parameters()]
+    agg.fill_(float("nan"))
+    second = ex.step(3)
+    ex.mover.settle()
+    assert torch.isnan(agg[v0:v1]).all()
+    assert not torch.isnan(agg[:v0]).any() and not torch.isnan(agg[v1:]).any()
+    assert second.loss == pytest.approx(res.loss, rel=1e-6)
+    for p, q in zip(model.parameters(), grads):
+        torch.testing.assert_close(p.grad, q, rtol=1e-5, atol=1e-6)
 
 
 def test_layer_1_backward_keeps_step_order_where_its_arrays_do_not_fit_the_pieces(monkeypatch):

@@ -226,6 +226,37 @@ def test_streams_switch_back_and_waits_hold_with_one_event_per_stream():
     assert {id(e) for e in mv._spare} == spare and mv.traffic.time_compute_s > before
 
 
+@pytest.mark.gpu
+def test_a_pass_may_end_before_its_stores_and_loads_after_it_see_them():
+    """``join(stores=False)``: compute goes on while the store stream still
+    works (a slow one here); the next pass's loads of ranges (after
+    ``barrier``) wait for those stores and read what they wrote; with
+    ``stores`` compute waits for them. ``stored_in_pass`` says whether the pass
+    issued any."""
+    d = torch.device("cuda")
+    n = 1 << 16
+    mv = Mover(d, {"aux": (n, 4)}, 4, torch.float32)
+    host = torch.zeros(n, 4).pin_memory()
+    for k, stores in ((1, False), (2, False), (3, True)):
+        mv.barrier()
+        assert not mv.stored_in_pass
+        with mv._on(mv.s_out, after_compute=False):
+            torch.cuda._sleep(200_000_000)  # (a store stream far behind)
+        mv.store_range(host, 0, torch.full((n, 4), float(k), device=d))
+        stored = torch.cuda.Event()
+        stored.record(mv.s_out)
+        assert mv.stored_in_pass
+        mv.join(stores=stores)
+        computed = torch.cuda.Event()
+        computed.record(mv.compute)
+        computed.synchronize()
+        assert stored.query() == stores  # (compute waited for the stores, or not)
+        mv.barrier()
+        got = mv.take(mv.fetch_range(host, 0, n, "aux"))
+        assert bool((got == k).all())  # (the load saw them)
+        mv.settle()
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("overlap", [True, False])
 def test_gather_rows_brings_a_run_then_the_gathered_rows(device, overlap):
