@@ -5,7 +5,8 @@ epoch's per-stream timeline (:attr:`hongtu.engine.transfer.Mover.timeline`):
 for every layer pass (forward L0, L1, ..., then backward from the last layer)
 the time the host→device stream, the device→host stream and compute were
 busy, how long both link directions were busy at once, how long nothing ran,
-the bytes each way, and the pass's transfer bound (its bytes at the pinned
+how long the pass went on after its last compute (its ``tail``: transfers it
+waited for), the bytes each way, and the pass's transfer bound (its bytes at the pinned
 copy rates measured in the same run: each direction alone, and both at once).
 
 Run (GPU machine)::
@@ -74,7 +75,8 @@ def _both(x: list, y: list) -> float:
 
 def passes(timeline: list, pass_bytes: list, end_bytes: tuple, peak: dict) -> list[dict]:
     """Per layer pass: busy times (ms) per stream, both directions at once, idle,
-    bytes each way and the pass's transfer bound (ms)."""
+    the tail (from its last compute to its end), bytes each way and the pass's
+    transfer bound (ms)."""
     starts = [a for f, a, _ in timeline if f == "pass"]
     end = max(b for _, _, b in timeline)
     bounds, marks = starts + [end], list(pass_bytes) + [end_bytes]
@@ -93,6 +95,8 @@ def passes(timeline: list, pass_bytes: list, end_bytes: tuple, peak: dict) -> li
         rows.append({"pass_ms": hi - lo, "h2d_busy_ms": _busy(h2d), "d2h_busy_ms": _busy(d2h),
                      "gpu_busy_ms": _busy(gpu), "both_ways_ms": _both(h2d, d2h),
                      "idle_ms": (hi - lo) - _busy(h2d + d2h + gpu),
+                     # (the pass's end after its last compute: transfers it waits for)
+                     "tail_ms": hi - max((b for _, b in gpu), default=lo),
                      "h2d_bytes": nh, "d2h_bytes": nd, "bound_ms": bound,
                      "over_bound": (hi - lo) / bound if bound else None,
                      "link_gbps": (nh + nd) / (hi - lo) / 1e6 if hi > lo else None})
@@ -242,12 +246,12 @@ def main() -> int:
         result["timeline"] = [[f, round(a, 4), round(b, 4)] for f, a, b in mv.timeline]
         result["batches"] = [[int(x) for x in item] for item in tr.executor.plan.items]
     head = ("pass", "ms", "bound", "x", "GB/s", "h2d busy", "d2h busy", "both", "gpu busy",
-            "idle", "h2d GB", "d2h GB")
+            "idle", "tail", "h2d GB", "d2h GB")
     print("".join(f"{h:>10}" if i else f"{h:<14}" for i, h in enumerate(head)))
     for name, r in result["passes"].items():
         vals = (r["pass_ms"], r["bound_ms"], r["over_bound"], r["link_gbps"], r["h2d_busy_ms"],
                 r["d2h_busy_ms"], r["both_ways_ms"], r["gpu_busy_ms"], r["idle_ms"],
-                r["h2d_bytes"] / 1e9, r["d2h_bytes"] / 1e9)
+                r["tail_ms"], r["h2d_bytes"] / 1e9, r["d2h_bytes"] / 1e9)
         print(f"{name:<14}" + "".join(f"{v:>10.2f}" for v in vals))
     if args.kernels:
         result["kernels"] = profile_passes(tr, args.epochs, names, args.kernels, args.trace)

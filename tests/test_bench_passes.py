@@ -47,3 +47,23 @@ def test_kernels_are_counted_in_the_pass_that_launched_them():
                               ["DMA HtoD", pytest.approx(0.5), 1]]
     assert b["transfers"] == [["DMA DtoH", pytest.approx(0.75), 1]]
     assert between["transfers"] == []
+
+
+def test_pass_table_gives_busy_times_the_tail_and_the_bound():
+    """Per pass, from a timeline: each stream's busy time (overlaps merged,
+    intervals clipped to the pass), both ways at once, idle time, and the tail
+    from the last compute to the pass's end (a pass waiting for its stores)."""
+    timeline = [("pass", 0.0, 0.0), ("time_h2d_s", 0.0, 4.0), ("time_compute_s", 1.0, 5.0),
+                ("time_d2h_s", 3.0, 9.0), ("time_h2d_s", 2.0, 3.0),
+                ("pass", 10.0, 10.0), ("time_compute_s", 10.0, 12.0), ("time_h2d_s", 11.0, 16.0)]
+    peak = {"h2d": 1e9, "d2h": 1e9, "both": 1.5e9}  # bytes/s
+    rows = bench_passes.passes(timeline, [(0, 0), (4_000_000, 6_000_000)],
+                               (9_000_000, 6_000_000), peak)
+    first, second = rows
+    assert first["pass_ms"] == 10.0 and first["h2d_busy_ms"] == 4.0
+    assert first["d2h_busy_ms"] == 6.0 and first["gpu_busy_ms"] == 4.0
+    assert first["both_ways_ms"] == 1.0 and first["idle_ms"] == 1.0
+    assert first["tail_ms"] == 5.0  # (compute ended at 5, the stores at 9, the pass at 10)
+    assert first["bound_ms"] == pytest.approx(max(4, 6, 10 / 1.5))  # ms at the peaks
+    assert second["pass_ms"] == 6.0 and second["tail_ms"] == 4.0
+    assert second["h2d_bytes"] == 5_000_000 and second["d2h_bytes"] == 0
