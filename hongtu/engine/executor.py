@@ -1737,7 +1737,9 @@ class Executor:
         every load of rows after it waits for it (:meth:`Mover.barrier`). Not
         where the pass writes the next layer's rows in first-load order by
         index arrays that the store stream reads from memory backward passes
-        load into (:meth:`Mover.forward_spare`); one process."""
+        load into (:meth:`Mover.forward_spare`); one process (on two H200s,
+        where each rank's backward waits for all its stores before its first
+        load, R-MAT 2^22 GCN 3×256 took 0.193 against 0.188 s, one run each)."""
         ordered = l + 1 < self.model.num_layers and self._ordered_rows[l + 1] is not None \
             and not (l == 0 and self._agg_layout is not None)
         return self.comm is None and not ordered
