@@ -9,6 +9,7 @@ plan is checked against the host memory that is available.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -156,7 +157,13 @@ class HostBuffers:
                 else:  # (a memory-mapped file is read for these rows alone)
                     x0[s:s + step] = torch.from_numpy(np.asarray(x[rows[s:s + step]])).to(dtype)
         else:
-            x0 = x if isinstance(x, Tensor) else torch.from_numpy(np.asarray(x))
+            if isinstance(x, Tensor):
+                x0 = x
+            else:  # (a read-only memory map is used in place: h^0 is never written)
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="The given NumPy array is not "
+                                            "writable")
+                    x0 = torch.from_numpy(np.asarray(x))
             x0 = x0.to(dtype)
         self.h: list[Tensor] = [x0] + [slab(plan.widths[l]) for l in range(1, L + 1)]
         self.grad: list[Tensor | None] = [slab(plan.widths[l]) if plan.has_grad(l) else None
