@@ -1092,6 +1092,25 @@ def test_resident_arithmetic_on_cpu(layer, chunks, monkeypatch):
     assert_matches(model, res.loss, ref_loss, ref_grads)
 
 
+def test_forward_passes_end_before_their_stores_only_where_loads_wait_for_them(monkeypatch):
+    """A training forward pass may end before its stores are done
+    (``Executor._ends_before_stores``) out of core in one process, where every
+    later read of what they write is a load that waits for them; not where
+    the pass writes the next layer's rows in first-load order (index arrays
+    the store stream reads from memory backward passes load into), nor
+    resident, where later passes read those buffers in place."""
+    graph = CASES["halo_heavy"](seed=9)
+    _, _, ex = chunked_step(three_layers("gcn", True), graph, 1, 5, "auto")
+    assert [ex._ends_before_stores(l) for l in range(3)] == [True] * 3
+    _, _, ex = chunked_step(three_layers("gcn", True), graph, 1, 5, "auto", ordered_rows=True)
+    written = [ex._ordered_rows[l + 1] is not None for l in range(3)]
+    assert any(written)
+    assert [ex._ends_before_stores(l) for l in range(3)] == [not w for w in written]
+    _as_resident(monkeypatch)
+    _, _, ex = chunked_step(three_layers("gcn", True), graph, 1, 5, "auto")
+    assert not any(ex._ends_before_stores(l) for l in range(3))
+
+
 #: layers whose update graph a resident run keeps (two-layer models of make_model):
 #: GCN writes its update's backward out (and its last layer stores no aggregate),
 #: GAT and the example's gated layer are not cacheable (recomputed in full)
