@@ -1187,8 +1187,6 @@ class Executor:
         w0, max_rows = widths[0], max(chunks.max_rows()[1], 1)
         reserve = aggregate_positions_bytes(model, n, device.type == "cuda")
         once = self._agg_layout is not None
-        fold = _FoldOrder.bytes_for(load_rows, load_rows - self._first_loads.count,
-                                    device) if once else 0
         self._reverse = backward_in_reverse(
             once, comm, once and fold_fits(plan, self._first_loads.count, w0, itemsize,
                                            max_rows, reserve, device))
@@ -1201,7 +1199,7 @@ class Executor:
             if self._reverse else None
         if self._in_flushes:
             self._flush_piece = flush_piece_rows(
-                w0, itemsize, max_rows, reserve + (fold if self._reverse else 0))
+                w0, itemsize, max_rows, reserve + (self._fold.nbytes() if self._reverse else 0))
             self._flush_rows = torch.empty((2, self._flush_piece, w0), dtype=self.dtype,
                                            device=device)
             self._flush_free = [None, None]  # (events: compute done with each)

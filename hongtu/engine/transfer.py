@@ -774,9 +774,7 @@ class Mover:
         if self.cuda and host.device.type == "cuda":
             return Ticket(host[start:stop])
         self._count(host, "h2d", rows, width)
-        k = self._turn[slot]
-        self._turn[slot] = (k + 1) % len(self._dev[slot])
-        out = self._dev[slot][k][: rows * width].view(rows, width)
+        out = self._next_slot(slot, rows, width)
         self._see_stores(self.s_in)
         with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
             out.copy_(host[start:stop], non_blocking=True)
@@ -787,13 +785,16 @@ class Mover:
         into ``slot`` would land them, instead of storing them and fetching
         them back (on compute; no link traffic); :meth:`take` gives them. The
         caller fetches nothing into ``slot`` before it takes them."""
-        rows, width = int(value.shape[0]), int(value.shape[1])
-        k = self._turn[slot]
-        self._turn[slot] = (k + 1) % len(self._dev[slot])
-        out = self._dev[slot][k][: rows * width].view(rows, width)
+        out = self._next_slot(slot, int(value.shape[0]), int(value.shape[1]))
         with self.timing("time_compute_s"):
             out.copy_(value)
         return Ticket(out)
+
+    def _next_slot(self, slot: str, rows: int, width: int) -> Tensor:
+        """The next of ``slot``'s device slots, taken in turn, as ``(rows, width)``."""
+        k = self._turn[slot]
+        self._turn[slot] = (k + 1) % len(self._dev[slot])
+        return self._dev[slot][k][: rows * width].view(rows, width)
 
     def fetch_all(self, host: Tensor, out: Tensor) -> Ticket:
         """Start copying all of ``host`` into ``out`` on the device (one DMA);
