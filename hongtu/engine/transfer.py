@@ -753,14 +753,14 @@ class Mover:
                 dst[:r].copy_(view[run[0]:run[1]])
                 copy_rows(view, dst[r:], where())
             return Ticket(dst)
-        with self._on(self.s_gather, after_compute=False), \
-                self.timing("time_h2d_s", self.s_gather):
+        with self._on(self.s_gather, after_compute=False):
             self._follow(self.s_gather, self.s_out)
             if free is not None:
                 self.s_gather.wait_event(free)
-            if r:
-                dst[:r].copy_(host[run[0]:run[1]], non_blocking=True)
-            copy_rows(view, dst[r:], where(), grid=GATHER_LOADS)
+            with self.timing("time_h2d_s", self.s_gather):  # (timed after the waits)
+                if r:
+                    dst[:r].copy_(host[run[0]:run[1]], non_blocking=True)
+                copy_rows(view, dst[r:], where(), grid=GATHER_LOADS)
         return Ticket(dst, self._ready_event(self.s_gather))
 
     def fetch_range(self, host: Tensor, start: int, stop: int, slot: str) -> Ticket:
