@@ -403,10 +403,10 @@ class Mover:
         self.compute = self.s_in = self.s_out = self.s_widen = self.s_gather = None
         self._marks: dict = {}  # per stream: the event _follow records on it
         # the stores issued before this pass (barrier), which loads of rows
-        # and ranges wait for: the streams that wait already; any store issued
-        # since (join)
+        # and ranges wait for; whether the load stream waits already; any
+        # store issued since (join)
         self._stores_before = None
-        self._after_stores: set = set()
+        self._saw_stores = False
         self._stored = False
         if self.cuda:
             # work is issued on this stream but where the mover selects another (_on)
@@ -526,7 +526,7 @@ class Mover:
 
         Call at the start of a layer pass: it reads what the passes before
         wrote. The load stream waits for those stores at the first such load
-        (:meth:`_see_stores`); copies of what no store writes (blocks, index
+        (:meth:`_loading`); copies of what no store writes (blocks, index
         arrays) do not wait, so a pass that begins with them starts while the
         stores of the pass before, which did not wait for them
         (:meth:`join`), still go. (A load into device memory that compute used
@@ -536,7 +536,7 @@ class Mover:
         """
         if self.overlap:
             self._stores_before = self._ready_event(self.s_out)
-            self._after_stores = set()
+            self._saw_stores = False
             self._stored = False
         if self.timeline is not None and self.cuda:
             mark = self._timer()
@@ -565,13 +565,17 @@ class Mover:
         """Whether work went to the store stream since the pass began (:meth:`barrier`)."""
         return self._stored
 
-    def _see_stores(self, stream) -> None:
-        """Work issued on ``stream`` from now on waits for the stores issued
-        before the pass (:meth:`barrier`): before a load of rows or a range,
-        which a store may have written."""
-        if self._stores_before is not None and id(stream) not in self._after_stores:
-            stream.wait_event(self._stores_before)
-            self._after_stores.add(id(stream))
+    @contextlib.contextmanager
+    def _loading(self):
+        """Issue the enclosed load of rows or a range on the load stream, timed:
+        after the compute issued so far (:meth:`_on`) and after the stores
+        issued before the pass (:meth:`barrier`), which may have written what
+        it reads (the load stream waits for those once a pass)."""
+        if self._stores_before is not None and not self._saw_stores:
+            self.s_in.wait_event(self._stores_before)
+            self._saw_stores = True
+        with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
+            yield
 
     def load_mark(self):
         """An event after the loads issued so far (for :meth:`join`), or ``None``."""
@@ -633,13 +637,11 @@ class Mover:
                 self.compute.synchronize()
             return Ticket(None)
         if not self.overlap or direct:
-            self._see_stores(self.s_in)
-            with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
+            with self._loading():
                 copy_rows(view, buf, ids, slots)
             return Ticket(None, self._ready_event(self.s_in))
         out = self._rows_stage[: rows * width].view(rows, width)
-        self._see_stores(self.s_in)
-        with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
+        with self._loading():
             copy_rows(view, out, ids)
         return Ticket(out, self._ready_event(self.s_in), slots, buf)
 
@@ -675,16 +677,14 @@ class Mover:
                 _columns(buf, width).index_copy_(0, slots, src)
             return Ticket(None)
         if direct and ids is None:
-            self._see_stores(self.s_in)
-            with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
+            with self._loading():
                 _columns(buf, width)[at:at + rows].copy_(src, non_blocking=True)
             return Ticket(None, self._ready_event(self.s_in))
         if not self.overlap:
             raise ValueError("fetch_run without overlap lands a run directly only "
                              "(direct=True, no ids)")
         out = self._rows_stage[: rows * width].view(rows, width)
-        self._see_stores(self.s_in)
-        with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
+        with self._loading():
             out[:k].copy_(src, non_blocking=True)
             if ids is not None:
                 copy_rows(self._view(host), out[k:], ids)
@@ -775,8 +775,7 @@ class Mover:
             return Ticket(host[start:stop])
         self._count(host, "h2d", rows, width)
         out = self._next_slot(slot, rows, width)
-        self._see_stores(self.s_in)
-        with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
+        with self._loading():
             out.copy_(host[start:stop], non_blocking=True)
         return Ticket(out, self._ready_event(self.s_in))
 
@@ -801,8 +800,7 @@ class Mover:
         :meth:`place` waits for it."""
         rows, width = int(host.shape[0]), int(host.shape[1])
         self._count(host, "h2d", rows, width)
-        self._see_stores(self.s_in)
-        with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
+        with self._loading():
             out.copy_(host, non_blocking=True)
         return Ticket(None, self._ready_event(self.s_in))
 
