@@ -71,6 +71,10 @@ class Comm:
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
+    def max_int(self, value: int) -> int:
+        """The largest ``value`` over ranks."""
+        return -self.min_int(-value)
+
     def sum_ints(self, values: list[int]) -> list[int]:
         """``values`` summed over ranks, element by element (one collective)."""
         t = self._ints(values)

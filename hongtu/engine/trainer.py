@@ -97,6 +97,22 @@ def resolve_device(accelerator: str, devices: int, local_rank: int = 0) -> torch
     return torch.device("cpu")
 
 
+def agree_resident(comm, choice: tuple[bool, int | None, int | None], budget: int | None
+                   ) -> tuple[bool, int | None, int | None]:
+    """Every process's :func:`~hongtu.engine.budget.choose_resident` made one:
+    each weighs its own part's buffers against its own budget, and processes
+    whose plans differ there would exchange rows that do not match. Resident
+    only where every part is (a process whose part fits trains out of core
+    with the others: ``(False, budget, None)``), at the most chunks any part
+    needs (the fewest that fit the part with the least room)."""
+    resident, room, chunks = choice
+    if comm is None:
+        return choice
+    if not comm.min_int(int(resident)):
+        return (False, budget, None) if resident else choice
+    return True, room, None if chunks is None else comm.max_int(chunks)
+
+
 def load_data(cfg: Config) -> Graph:
     """The graph named by ``cfg.data``, validated, with labels and a train split."""
     from hongtu.graph.io import load_graph
@@ -475,8 +491,9 @@ class Trainer:
         if self.device.type != "cuda":
             return budget
         free, total = torch.cuda.mem_get_info(self.device)
-        if budget is None:
-            return int(free * AUTO_BUDGET_FRACTION)
+        if budget is None:  # (the least any GPU leaves: every process plans alike)
+            budget = int(free * AUTO_BUDGET_FRACTION)
+            return budget if self.comm is None else self.comm.min_int(budget)
         # (what this process's allocator holds unused is free to it too)
         cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         check_device_budget(budget, free + cached, total, str(self.device))
@@ -498,13 +515,14 @@ class Trainer:
         cuda = self.device.type == "cuda"
         graphs = kept_graph_need(self.model, e.checkpoint, plan.num_nodes, itemsize, "cuda") \
             if cuda and self.world == 1 else 0  # (kept on one device only)
-        return choose_resident(e.resident if cuda else False,
-                               self.budget, plan.resident_bytes(), e.chunks, graph,
-                               assignment, parts, self.model, itemsize,
-                               chunkings=self._chunkings, graphs_bytes=graphs,
-                               overlap=e.overlap, device=self.device.type,
-                               direct=self.world == 1, exchange=self.world > 1,
-                               cached=self.model.cached_layers(e.checkpoint))
+        choice = choose_resident(e.resident if cuda else False,
+                                 self.budget, plan.resident_bytes(), e.chunks, graph,
+                                 assignment, parts, self.model, itemsize,
+                                 chunkings=self._chunkings, graphs_bytes=graphs,
+                                 overlap=e.overlap, device=self.device.type,
+                                 direct=self.world == 1, exchange=self.world > 1,
+                                 cached=self.model.cached_layers(e.checkpoint))
+        return agree_resident(self.comm, choice, self.budget)
 
     def _optimizer(self) -> torch.optim.Optimizer:
         t = self.cfg.train

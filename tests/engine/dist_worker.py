@@ -37,15 +37,30 @@ def run_rank(rank: int, world: int, port: int, out: str, jobs: list[dict],
     comm.close()
 
 
+def agree_rank(rank: int, world: int, port: int, out: str, cases: list[list[tuple]]) -> None:
+    """Each case's :func:`~hongtu.engine.trainer.agree_resident` of this rank's
+    choice (``case[rank]``) and a budget of 1000, over gloo, into ``OUT/agree-rank{r}.pt``."""
+    from hongtu.engine.trainer import agree_resident
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    comm = init_from_env(cuda=False, timeout_s=60)
+    torch.save([agree_resident(comm, case[rank], 1000) for case in cases],
+               os.path.join(out, f"agree-rank{rank}.pt"))
+    comm.close()
+
+
 def run_job(rank, world, comm, case: str, layer: str, chunks: int, checkpoint: str,
             flags: dict, ordered_rows: bool = False, first_in_flushes: bool = False,
             ordered: bool = False, cache_rows: int = 0, three: bool = False,
-            narrow_rows: bool | None = None, device: torch.device | None = None) -> dict:
+            narrow_rows: bool | None = None, device: torch.device | None = None,
+            resident: bool = False) -> dict:
     """One step and one evaluation of a job on this rank (own rows taken from the
     sources where the case has a self-loop on every vertex, as training has it;
     ``ordered``: the first layer loads from a copy of its inputs in load order;
     ``cache_rows``: spare slots for rows kept across batches; ``three``: three
-    layers, 6 -> 16 -> 16 -> 3; ``narrow_rows``: the Executor's)."""
+    layers, 6 -> 16 -> 16 -> 3; ``narrow_rows``: the Executor's; ``resident``:
+    this rank's buffers on its device, as training keeps them where they fit)."""
     from tests.engine.test_oracle import make_model, three_layers
 
     device = device or torch.device("cpu")
@@ -59,7 +74,7 @@ def run_job(rank, world, comm, case: str, layer: str, chunks: int, checkpoint: s
     cs = ChunkSet.build(g, p.chunk_ptr, world, chunks, part=rank)
     cached = model.stored_aggregates(checkpoint)
     buf = HostBuffers(BufferPlan(b - a, model.row_widths(), cached), g.x[a:b],
-                      pin=device.type == "cuda")
+                      pin=device.type == "cuda", device=device if resident else None)
     masks = {k: torch.from_numpy(getattr(g, f"{k}_mask")[a:b]) for k in ("train", "val", "test")}
     ex = Executor(model, cs, buf, torch.from_numpy(g.y[a:b]), masks, device,
                   plan.plans[rank], checkpoint=checkpoint, seed=0, comm=comm,
@@ -87,4 +102,4 @@ def run_job(rank, world, comm, case: str, layer: str, chunks: int, checkpoint: s
             "cached_rows": int(plan.cached_rows),
             "first_in_flushes": ex.first_in_flushes,
             "aggregates_once": ex._agg_layout is not None,
-            "reversed": ex.backward_reversed}
+            "reversed": ex.backward_reversed, "resident": ex.resident}

@@ -140,6 +140,29 @@ def test_two_gpus_match_one_process_on_one_gpu(tmp_path, layer):
     assert_same_losses(recs, records(tmp_path / "ref.jsonl"))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_resident_gpus_match_one_process_on_one_gpu(tmp_path):
+    """The command on two GPUs with every buffer on its device (engine.resident)
+    and several chunks per part gives the losses of one process training the
+    same two parts on one GPU; a rank stuck in an exchange fails the run
+    after engine.timeout (on 4 H200s a resident R-MAT 2^22 run made no
+    progress after its setup: bench/HISTORY.md, 2026-11-28, eighth)."""
+    args = ["engine.accelerator=cuda", "model.layer=gcn", "model.hidden=256", "model.layers=3",
+            "engine.device_memory=4GiB", "engine.chunks=4", "engine.timeout=90"]
+    out = hongtu(tmp_path, f"output.dir={tmp_path}/run", "engine.devices=2",
+                 "engine.resident=true", *args, "--metrics", f"{tmp_path}/m.jsonl")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "device buffers (resident" in out.stdout, out.stdout
+    assert "2 part(s) x 4 chunk(s)" in out.stdout, out.stdout
+    recs = records(tmp_path / "m.jsonl")
+    assert all(r["d2d_rows"] > 0 for r in recs[-1]["ranks"])
+    ref = hongtu(tmp_path, f"output.dir={tmp_path}/ref", "engine.parts=2", *args,
+                 "--metrics", f"{tmp_path}/ref.jsonl")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert_same_losses(recs, records(tmp_path / "ref.jsonl"))
+
+
 def test_two_torchrun_nodes_on_loopback(tmp_path, one_process):
     """Two launchers, --nnodes 2, one process each, rendezvous on 127.0.0.1."""
     p = port()
