@@ -110,7 +110,8 @@ def agree_resident(comm, choice: tuple[bool, int | None, int | None], budget: in
         return choice
     if not comm.min_int(int(resident)):
         return (False, budget, None) if resident else choice
-    return True, room, None if chunks is None else comm.max_int(chunks)
+    most = comm.max_int(-1 if chunks is None else chunks)  # (every rank calls it)
+    return True, room, None if most < 0 else most
 
 
 def load_data(cfg: Config) -> Graph:

@@ -216,12 +216,13 @@ def test_ranks_agree_whether_to_train_resident(tmp_path):
     cases = [[(True, 10, 3), (True, 20, 5)],
              [(True, 10, 3), (False, 1000, None)],
              [(True, 10, None), (True, 20, None)],
+             [(True, 10, None), (True, 20, 4)],  # (every rank takes part in each agreement)
              [(False, 1000, None), (False, 1000, None)]]
     mp.spawn(agree_rank, args=(2, free_port(), str(tmp_path), cases), nprocs=2, join=True)
     got = [torch.load(tmp_path / f"agree-rank{r}.pt") for r in range(2)]
-    assert got[0] == [(True, 10, 5), (False, 1000, None), (True, 10, None),
+    assert got[0] == [(True, 10, 5), (False, 1000, None), (True, 10, None), (True, 10, 4),
                       (False, 1000, None)]
-    assert got[1] == [(True, 20, 5), (False, 1000, None), (True, 20, None),
+    assert got[1] == [(True, 20, 5), (False, 1000, None), (True, 20, None), (True, 20, 4),
                       (False, 1000, None)]
 
 
