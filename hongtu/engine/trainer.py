@@ -108,8 +108,8 @@ def agree_resident(comm, choice: tuple[bool, int | None, int | None], budget: in
     resident, room, chunks = choice
     if comm is None:
         return choice
-    if not comm.min_int(int(resident)):
-        return (False, budget, None) if resident else choice
+    if not comm.min_int(int(resident)):  # (choose_resident's out-of-core choice)
+        return False, budget, None
     most = comm.max_int(-1 if chunks is None else chunks)  # (every rank calls it)
     return True, room, None if most < 0 else most
 
