@@ -81,6 +81,14 @@ class Comm:
         dist.all_reduce(t)
         return [int(v) for v in t.tolist()]
 
+    def same_ints(self, values: list[int]) -> bool:
+        """Whether every rank holds these ``values`` (one collective, every rank the
+        same answer)."""
+        t = self._ints(list(values) + [-int(v) for v in values])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        n = len(values)
+        return all(int(a) == -int(b) for a, b in zip(t[:n].tolist(), t[n:].tolist()))
+
     def barrier(self) -> None:
         dist.barrier()
 

@@ -114,6 +114,28 @@ def agree_resident(comm, choice: tuple[bool, int | None, int | None], budget: in
     return True, room, None if most < 0 else most
 
 
+def check_plans_agree(comm, resident: bool, chunks: int, steps: int, cached: list[bool],
+                      sent: int, received: int) -> None:
+    """Stop every process, with one line, where their plans differ in what the
+    executor's collectives follow: resident or not, the chunk count, the steps
+    of a pass, the layers that recompute, and the rows exchanged (all sent as
+    many as all receive). Each process plans its own part; plans that differ
+    there would exchange rows no peer expects and wait on each other until
+    ``engine.timeout`` (the 4-GPU stop of 2026-11-28: chunk counts 6 and 8,
+    before :func:`agree_resident`)."""
+    if comm is None:
+        return
+    mine = [int(resident), int(chunks), int(steps), *map(int, cached)]
+    same = comm.same_ints(mine)
+    all_sent, all_received = comm.sum_ints([sent, received])
+    if not same or all_sent != all_received:
+        raise RuntimeError(
+            f"the processes planned differently (rank {comm.rank}: resident={bool(resident)}, "
+            f"{chunks} chunks, {steps} steps, layers cached {[bool(c) for c in cached]}; "
+            f"all ranks send {all_sent} rows a pass and receive {all_received}); this is a "
+            "bug in hongtu: please report it with the config and this line")
+
+
 def load_data(cfg: Config) -> Graph:
     """The graph named by ``cfg.data``, validated, with labels and a train split."""
     from hongtu.graph.io import load_graph
@@ -344,6 +366,9 @@ class Trainer:
         # (a process of several keeps its own part's blocks)
         self.block_bytes = resident_block_bytes(sizes, itemsize, parts if world > 1 else 1)
         self.chunk_sizes = sizes  # (every part's chunks: rows and edges, as estimated)
+        mine = self.transfer_plan.plans[rank]
+        check_plans_agree(self.comm, self.resident, chunks, mine.num_steps, cached,
+                          int(mine.send_counts.sum()), int(mine.recv_counts.sum()))
         self.plan_s = time.perf_counter() - t_plan
         self.estimate = estimate(self.transfer_plan.plans[rank], sizes)
         dplan, widths = self.transfer_plan.plans[rank], self.model.row_widths()

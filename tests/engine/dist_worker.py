@@ -50,6 +50,26 @@ def agree_rank(rank: int, world: int, port: int, out: str, cases: list[list[tupl
     comm.close()
 
 
+def check_rank(rank: int, world: int, port: int, out: str, cases: list[list[tuple]]) -> None:
+    """Each case's :func:`~hongtu.engine.trainer.check_plans_agree` of this rank's
+    plan (``case[rank]``), over gloo: ``"ok"`` or the error's line per case, into
+    ``OUT/check-rank{r}.pt``."""
+    from hongtu.engine.trainer import check_plans_agree
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    comm = init_from_env(cuda=False, timeout_s=60)
+    got = []
+    for case in cases:
+        try:
+            check_plans_agree(comm, *case[rank])
+            got.append("ok")
+        except RuntimeError as err:
+            got.append(str(err))
+    torch.save(got, os.path.join(out, f"check-rank{rank}.pt"))
+    comm.close()
+
+
 def run_job(rank, world, comm, case: str, layer: str, chunks: int, checkpoint: str,
             flags: dict, ordered_rows: bool = False, first_in_flushes: bool = False,
             ordered: bool = False, cache_rows: int = 0, three: bool = False,

@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.cases import CASES
-from tests.engine.dist_worker import agree_rank, run_rank
+from tests.engine.dist_worker import agree_rank, check_rank, run_rank
 from tests.engine.test_oracle import (
     LAYERS,
     assert_matches,
@@ -224,6 +224,28 @@ def test_ranks_agree_whether_to_train_resident(tmp_path):
                       (False, 1000, None)]
     assert got[1] == [(True, 20, 5), (False, 1000, None), (True, 20, None), (True, 20, 4),
                       (False, 1000, None)]
+
+
+def test_ranks_stop_together_where_their_plans_differ(tmp_path):
+    """Plans that differ in what the executor's collectives follow stop every
+    process at setup with one line, instead of each waiting on exchanges no
+    peer makes (the 4-GPU stop: chunk counts 6 and 8)."""
+    a = (True, 8, 16, [True, True, True], 10, 7)   # rank 0 sends 10, receives 7
+    b = (True, 8, 16, [True, True, True], 7, 10)
+    cases = [[a, b],
+             [a, (True, 6, 12, [True, True, True], 7, 10)],   # chunk counts (the stop)
+             [a, (False, 8, 16, [True, True, True], 7, 10)],  # resident on one only
+             [a, (True, 8, 16, [True, False, True], 7, 10)],  # one recomputes a layer
+             [a, (True, 8, 16, [True, True, True], 7, 9)]]    # rows no peer sends
+    mp.spawn(check_rank, args=(2, free_port(), str(tmp_path), cases), nprocs=2, join=True)
+    got = [torch.load(tmp_path / f"check-rank{r}.pt") for r in range(2)]
+    assert got[0][0] == got[1][0] == "ok"
+    for r in range(2):
+        for line in got[r][1:]:
+            assert line.startswith("the processes planned differently") and "bug" in line
+    assert "8 chunks" in got[0][1] and "6 chunks" in got[1][1]
+    assert "send 17 rows a pass and receive 17" in got[0][3]
+    assert "send 17 rows a pass and receive 16" in got[1][4]
 
 
 def test_comm_leaves_only_the_group_it_joined(monkeypatch):
