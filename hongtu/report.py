@@ -955,7 +955,10 @@ def _transfer_section(d: dict) -> list[str]:
             f" and {fs(ep['evaluation_d2d_bytes'])} GPU-to-GPU" if several else ""),
         f"  cost C (Eq. 4) per epoch {_ms(c['epoch_s'])} + contiguous {_ms(c['contiguous_s'])} "
         f"at {tp['contiguous']:,.1f} GB/s = transfer lower bound {_ms(c['lower_bound_s'])} "
-        f"per epoch at host link {tp['host_to_device']:,.1f} GB/s"]
+        f"per epoch at host link {tp['host_to_device']:,.1f} GB/s"] + ([
+        f"  (all {d['engine']['devices']} devices' bytes over one link at that rate: where "
+        "their links carry at once, the bound falls by up to that many times; "
+        "bench/bench_host_links.py measures how far they add up)"] if several else [])
 
 
 def _memory_section(d: dict) -> list[str]:

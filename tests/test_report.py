@@ -73,6 +73,17 @@ def test_text_report_has_every_section(capsys, tmp_path):
         assert phrase in out, phrase
 
 
+def test_several_devices_bound_says_it_counts_one_link(capsys, tmp_path):
+    """With several devices the transfer lower bound puts every device's bytes
+    over one link, and the report says so (their links may carry at once)."""
+    _, one, _ = run(capsys, "report", CONFIG, *base(tmp_path))
+    rc, two, err = run(capsys, "report", CONFIG, *base(tmp_path), "engine.devices=2")
+    assert rc == 0, err
+    note = "all 2 devices' bytes over one link at that rate"
+    assert note in two and "bench/bench_host_links.py" in two
+    assert "devices' bytes over one link" not in one
+
+
 def test_host_buffers_set_against_available_memory(capsys, tmp_path, monkeypatch):
     """Where this machine's available host memory is below the buffers, the report
     says training would stop, as training's own check then does."""
