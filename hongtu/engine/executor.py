@@ -330,13 +330,21 @@ def plan_handoffs(num_rows: int, widths: list[int], memory: int, plan: DevicePla
     return Handoffs(whole, kept, at, m, gradients_held(widths, whole, cached, num_rows, twin))
 
 
-def kept_grads_at(num_rows: int, widths: list[int], kept: list[bool], l: int) -> int:
+def kept_grads_at(num_rows: int, widths: list[int], kept: list[bool], l: int,
+                  end: int | None = None, src: int = 0) -> int:
     """Where in the row memory the backward pass of layer ``l - 1`` reads a kept
     ``∇h^l`` of a layer ``l >= 2`` (element offset, :func:`gradients_kept`):
     the start when ``l`` is the last layer and ``∇h^L`` is kept, else after
-    ``n`` rows of ``h^l``."""
+    ``n`` rows of ``h^l``. With ``end`` (the transition buffer's elements) and
+    ``src`` (where that last layer's backward added them up), the buffer's
+    last elements instead, where they do not cover ``src``'s: its first rows
+    stay free for the next forward's first rows (``Executor._prefetch``)."""
     L = len(widths) - 1
-    return 0 if l == L - 1 and kept[L] else num_rows * widths[l]
+    size = num_rows * widths[l]
+    if not (l == L - 1 and kept[L]):
+        return size
+    at = -1 if end is None else end - size
+    return at if at >= 0 and (at == src or at >= src + size or at + size <= src) else 0
 
 
 #: the ordered copy of the inputs may take at most this share of the available host memory
@@ -1275,18 +1283,22 @@ class Executor:
             self.chunks = dataclasses.replace(chunks, blocks=self._blocks)
         # The next forward's first rows (step 0 of layer 0, in load order: one
         # run into slots 0..n-1) travel during the first layer's backward pass
-        # (layer 1's where that one runs the first's: _in_flushes), a piece
+        # (layer 1's where that one runs the first's: _in_flushes; the last
+        # layer's before it where _clear_first_rows finds room), a piece
         # beside each of its batches, where the link has room: backward reads
         # none of the transition buffer's rows then (a cached first layer, and
         # a cached layer 1), and the inputs do not change between epochs. The
         # forward pass then starts computing at once instead of waiting for its
         # largest load.
         self._prefetch_in = 1 if self._in_flushes else 0
-        self._prefetch_from = self._prefetch_start(int(plan.load_ptr[1]) * widths[0])
-        self._prefetch = (self.mover.overlap and self._in_slots[0]
-                          and self.cached[self._prefetch_in]
-                          and self._ordered is not None and self._first_in_place
-                          and self._prefetch_from is not None)
+        ahead = (self.mover.overlap and self._in_slots[0] and self.cached[self._prefetch_in]
+                 and self._ordered is not None and self._first_in_place)
+        self._kept_end = None
+        first = int(plan.load_ptr[1]) * widths[0]  # (those rows' elements)
+        if ahead:
+            self._clear_first_rows(first)
+        self._prefetch_from = self._prefetch_start(first)
+        self._prefetch = ahead and self._prefetch_from is not None
         self._ahead = None  # (rows ticket, block ticket) of the first forward item
         # The loss may be read after backward is issued (step) where nothing in
         # backward waits for forward on this thread: one process, on a GPU, and
@@ -1414,7 +1426,9 @@ class Executor:
         if l in (1, self.model.num_layers):
             return self._grad_rows(l)
         n, w = self.buf.h[0].shape[0], self.buf.h[l].shape[1]
-        at = kept_grads_at(n, self._widths, self._kept, l)
+        g = self._grad_rows(l)
+        at = kept_grads_at(n, self._widths, self._kept, l, self._kept_end,
+                           (g.data_ptr() - self._rowmem.data_ptr()) // g.element_size())
         return self._rowmem[at:at + n * w].view(n, w)
 
     def _sources(self, l: int, q: int, block: Block, tbuf: Tensor) -> Tensor:
@@ -1540,6 +1554,38 @@ class Executor:
                                             ids[a:a + self._widen_piece], seed)
                 tbuf.index_copy_(0, at, rows)
 
+    def _clear_first_rows(self, size: int) -> None:
+        """Keep gradients that stay on the device between backward passes off
+        the next forward's first rows (``size`` elements from the row memory's
+        start, :attr:`_prefetch`): a narrow last layer's ``∇h^{L-1}`` goes to the
+        transition buffer's end (:func:`kept_grads_at`), and where
+        :meth:`_before_flushes` the loss gradient too, those rows then
+        travelling during the last layer's backward, whose link has room (its
+        GPU time is the larger), instead of layer 1's."""
+        self._kept_end = self._tbuf.numel()
+        if self._before_flushes(size):
+            n = self.buf.h[0].shape[0]
+            self._at[-1] = (self._at[-1][0], self._kept_end - n * self._widths[-1])
+            self._prefetch_in = len(self._at) - 1
+
+    def _before_flushes(self, size: int) -> bool:
+        """Whether the next forward's first rows (``size`` elements from the row
+        memory's start) may travel during the last layer's backward, the pass
+        before the one that runs the first layer's on its flushes: three layers,
+        the last cached and moving whole with ``∇h^3`` kept (its backward reads
+        no rows), ``∇h^3`` at the transition buffer's end clear of those rows and
+        of the last layer's rows (where it adds ``∇h^2`` up), and ``∇h^2`` kept
+        (:func:`kept_grads_at`, over ``∇h^3`` once spent) clear of them too."""
+        L, kept = self.model.num_layers, self._kept
+        if not (L == 3 and self._in_flushes and self._whole[2] and self.cached[2]
+                and kept[2] and kept[3]):
+            return False
+        n, end = self.buf.h[0].shape[0], self._tbuf.numel()
+        loss, rows = n * self._widths[3], n * self._widths[2]
+        at, g = end - loss, self._at[2][0]  # (∇h^3's place; ∇h^2 added up over the rows)
+        return (at >= size and (at >= g + rows or at + loss <= g)
+                and kept_grads_at(n, self._widths, kept, 2, end, g) >= size)
+
     def _prefetch_start(self, size: int) -> int | None:
         """The first item of the backward pass carrying the next forward's first
         rows (:attr:`_prefetch_in`) whose fetch may write them into the row
@@ -1576,9 +1622,9 @@ class Executor:
         p0, rows = int(p[0]), int(p[1]) - int(p[0])
         a, b = rows * k // n, rows * (k + 1) // n
         tbuf = self._buffer(self._tbuf, self.buf.h[0].shape[1])
-        self.mover.fetch_run(self._ordered, p0 + a, p0 + b, None, tbuf, direct=True, at=a)
-        if k == n - 1:
-            self._ahead = (self.mover.loaded(),
+        ticket = self.mover.fetch_ahead(self._ordered, p0 + a, p0 + b, tbuf, a, k == 0)
+        if k == n - 1:  # (the pieces land in order: the last's ticket waits for all)
+            self._ahead = (ticket,
                            self._fetch_block(self.plan.items[0][2], self._forward_skip(0)))
 
     def _seed(self, epoch: int, l: int) -> int:

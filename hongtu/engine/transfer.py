@@ -690,6 +690,26 @@ class Mover:
                 copy_rows(self._view(host), out[k:], ids)
         return Ticket(out, self._ready_event(self.s_in), slots, buf, ring)
 
+    def fetch_ahead(self, host: Tensor, start: int, stop: int, buf: Tensor, at: int,
+                    first: bool) -> Ticket:
+        """Start ``buf[at:at+n] = host[start:stop]`` (rows for a later pass, from
+        host memory no store writes), in one copy; finish it with :meth:`place`.
+        On a GPU with overlap on the gather's stream, beside the pass's own
+        loads, which it never holds up: the ``first`` piece after the compute
+        issued so far (``buf``'s rows may still be read), the others after it."""
+        rows, width = stop - start, int(host.shape[1])
+        if rows == 0:
+            return Ticket(None)
+        self._count(host, "h2d", rows, width)
+        out = _columns(buf, width)[at:at + rows]
+        if not self.overlap:
+            out.copy_(host[start:stop])
+            return Ticket(None)
+        with self._on(self.s_gather, after_compute=first), \
+                self.timing("time_h2d_s", self.s_gather):
+            out.copy_(host[start:stop], non_blocking=True)
+        return Ticket(None, self._ready_event(self.s_gather))
+
     def take_early(self, src: Tensor, dst: Tensor, rows: int) -> Ticket:
         """``dst[:rows] = src[:rows]`` on the device, rows compute wrote there
         during an earlier pass (on the load stream, after compute issued so
@@ -699,11 +719,6 @@ class Mover:
             return Ticket(None)
         with self._on(self.s_in):
             dst[:rows].copy_(src[:rows], non_blocking=True)
-        return Ticket(None, self._ready_event(self.s_in))
-
-    def loaded(self) -> Ticket:
-        """A ticket that :meth:`place` finds ready once every load issued so far
-        has landed (nothing to put)."""
         return Ticket(None, self._ready_event(self.s_in))
 
     def place(self, t: Ticket, put=None) -> bool:

@@ -34,6 +34,7 @@ from hongtu.engine.budget import (
 from hongtu.engine.executor import (
     first_layer_busy,
     gradients_kept,
+    kept_grads_at,
     layers_moved_whole,
     rows_kept_at,
 )
@@ -212,6 +213,21 @@ def test_gradients_kept_between_passes():
         [False, False, False, False]
     assert gradients_kept([True, True, True], [True] * 3, [4, 8, 2, 2], 10, 80) == \
         [False, True, False, True]  # (layer 1 whole: its backward fills the row memory)
+
+
+def test_kept_gradient_placed_at_the_transition_buffers_end():
+    # ∇h^2 (10 rows x 2) with the loss gradient kept: at the start, or with the
+    # buffer's size (40) at its end, unless that covers where it was added up
+    widths, kept = [4, 8, 2, 2], [False, False, True, True]
+    assert kept_grads_at(10, widths, kept, 2) == 0
+    assert kept_grads_at(10, widths, kept, 2, end=40, src=0) == 20
+    assert kept_grads_at(10, widths, kept, 2, end=40, src=40) == 20
+    assert kept_grads_at(10, widths, kept, 2, end=40, src=20) == 20  # (already there)
+    assert kept_grads_at(10, widths, kept, 2, end=40, src=5) == 0  # (would cover it)
+    assert kept_grads_at(10, widths, kept, 2, end=40, src=30) == 0
+    assert kept_grads_at(10, widths, kept, 2, end=19, src=40) == 0  # (no room)
+    # otherwise after its rows, wherever the buffer ends
+    assert kept_grads_at(10, widths, [False, False, True, False], 2, end=40) == 20
 
 
 def test_rows_kept_beside_the_first_layer():

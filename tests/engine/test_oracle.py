@@ -967,16 +967,47 @@ def test_next_forward_rows_travel_during_backward(layer, chunks):
     assert (0, 0) in asked
 
 
+def _kept_grad_at(ex: Executor, l: int) -> int:
+    g = ex._kept_grads(l)
+    return (g.data_ptr() - ex._rowmem.data_ptr()) // g.element_size()
+
+
+def test_kept_gradients_at_the_transition_buffers_end_keep_steps_exact(monkeypatch):
+    """Where the next forward's first rows travel during backward (a GPU:
+    ``Executor._clear_first_rows``, called here by hand), a narrow last layer
+    moving whole keeps the loss gradient ∇h^3 and ∇h^2 on the device at the
+    transition buffer's end, clear of those rows, ∇h^2 copied there from
+    where layer 2's backward added it up: the steps stay exact."""
+    rule = executor.layers_moved_whole
+    monkeypatch.setattr(executor, "layers_moved_whole",
+                        lambda *a, **k: [False] + rule(*a, **k)[1:])
+    graph = CASES["self_loops"](seed=5)
+    model = three_layers("gcn", True)
+    res, g, ex = chunked_step(model, graph, 1, 24, "auto", ordered=True, whole=True)
+    assert ex._kept[2] and ex._kept[3] and ex._kept_end is None
+    assert _kept_grad_at(ex, 2) == _kept_grad_at(ex, 3) == 0 and ex._prefetch_in == 1
+    assert_matches(model, res.loss, *reference_step(model, g))  # (at the start)
+    first = int(ex.plan.plan.load_ptr[1]) * ex._widths[0]
+    ex._clear_first_rows(first)
+    end = ex._tbuf.numel() - g.num_nodes * ex._widths[2]
+    assert _kept_grad_at(ex, 2) == _kept_grad_at(ex, 3) == end >= first
+    assert ex._prefetch_in == 2 and ex._prefetch_start(first) == 0
+    for epoch in (4, 5):
+        assert_matches(model, ex.step(epoch).loss, *reference_step(model, g, epoch))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("chunks", [24, 40])
-def test_next_forward_rows_travel_after_the_kept_gradient_is_read(chunks, monkeypatch):
-    """Where the first layer's backward runs on layer 1's flushes, layer 1's
-    backward brings the next forward's first rows, but where it reads ∇h^2
-    kept at the start of the row memory (a narrow last layer moving whole),
-    only from the second item after the last whose chunk reads rows of ∇h^2
-    lying under them (on this small graph near the end); the steps stay
-    exact. (The first layer moves the plan's rows here, as its inputs kept in
-    load order need.)"""
+def test_next_forward_rows_travel_beside_the_kept_gradient(chunks, monkeypatch):
+    """Where the first layer's backward runs on layer 1's flushes, a backward
+    pass brings the next forward's first rows into the transition buffer's
+    first rows. ∇h^3 and ∇h^2 kept on the device (a narrow last
+    layer moving whole) go to the buffer's end, so they travel from the first
+    item of the last layer's backward (24 chunks); where that still covers
+    them (40 chunks: a smaller buffer), during layer 1's from the second item
+    after the last whose chunk reads rows of ∇h^2 lying under them (on this
+    small graph near the end). The steps stay exact. (The first layer moves
+    the plan's rows here, as its inputs kept in load order need.)"""
     rule = executor.layers_moved_whole
     monkeypatch.setattr(executor, "layers_moved_whole",
                         lambda *a, **k: [False] + rule(*a, **k)[1:])
@@ -984,8 +1015,13 @@ def test_next_forward_rows_travel_after_the_kept_gradient_is_read(chunks, monkey
     model = three_layers("gcn", True)
     res, g, ex = chunked_step(model, graph, 1, chunks, "auto", device="cuda",
                               ordered=True, whole=True)
-    assert ex.first_in_flushes and ex._prefetch_in == 1 and ex._kept[2]
-    assert ex._prefetch and 0 < ex._prefetch_from < len(ex.plan.items)
+    assert ex.first_in_flushes and ex._kept[2]
+    assert _kept_grad_at(ex, 2) == ex._tbuf.numel() - g.num_nodes * ex._widths[2]
+    if chunks == 24:
+        assert ex._prefetch and ex._prefetch_in == 2 and ex._prefetch_from == 0
+    else:
+        assert ex._prefetch and ex._prefetch_in == 1
+        assert 0 < ex._prefetch_from < len(ex.plan.items)
     assert_matches(model, res.loss, *reference_step(model, g))
     asked = []
     orig = ex._fetch_rows

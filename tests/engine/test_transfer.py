@@ -257,6 +257,36 @@ def test_a_pass_may_end_before_its_stores_and_loads_after_it_see_them():
         mv.settle()
 
 
+def numbered_rows(d: torch.device) -> torch.Tensor:
+    """40 host rows of 3 numbered 0..119 (pinned for a GPU)."""
+    host = torch.arange(40 * 3, dtype=torch.float32).view(40, 3)
+    return host.pin_memory() if d.type == "cuda" else host
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_fetch_ahead_lands_pieces_in_order(device, overlap):
+    """``fetch_ahead``: rows ``start..stop-1`` into rows ``at..`` of a wider
+    buffer's first columns, a piece at a time, each counted once; the last
+    piece's ticket is ready once every piece has landed (one stream), while
+    compute goes on reading the rest of the buffer."""
+    d = torch.device(device)
+    host = numbered_rows(d)
+    mv = Mover(d, {"dst": (1, 1)}, 5, torch.float32, overlap=overlap)
+    buf = torch.full((30, 5), -1.0, device=d)
+    before = mv.traffic.h2d_rows
+    tickets = [mv.fetch_ahead(host, 6 + a, 6 + b, buf, a, a == 0)
+               for a, b in ((0, 7), (7, 7), (7, 20))]
+    assert mv.fetch_ahead(host, 3, 3, buf, 0, False).ready is None  # (nothing to move)
+    buf[25:] = 7.0  # (compute meanwhile, elsewhere in the buffer)
+    mv.place(tickets[-1])
+    want = torch.full((30, 5), -1.0)
+    want[:20, :3], want[25:] = host[6:26], 7.0
+    assert torch.equal(buf.cpu(), want)
+    assert mv.traffic.h2d_rows - before == 20
+    mv.settle()
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("overlap", [True, False])
 def test_gather_rows_brings_a_run_then_the_gathered_rows(device, overlap):
@@ -264,9 +294,7 @@ def test_gather_rows_brings_a_run_then_the_gathered_rows(device, overlap):
     gathered ones, positions translated through ``at`` where given, each row
     counted once; a run alone or rows alone too."""
     d = torch.device(device)
-    host = torch.arange(40 * 3, dtype=torch.float32).view(40, 3)
-    if d.type == "cuda":
-        host = host.pin_memory()
+    host = numbered_rows(d)
     mv = Mover(d, {"dst": (1, 1)}, 3, torch.float32, overlap=overlap)
     out = torch.full((12, 3), -1.0, device=d)
     ids = torch.tensor([30, 2, 17], device=d)
