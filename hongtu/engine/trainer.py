@@ -116,7 +116,7 @@ def agree_resident(comm, choice: tuple[bool, int | None, int | None], budget: in
 
 def check_plans_agree(comm, resident: bool, chunks: int, steps: int, cached: list[bool],
                       sent: int, received: int) -> None:
-    """Stop every process, with one line, where their plans differ in what the
+    """Stop every process with an error where their plans differ in what the
     executor's collectives follow: resident or not, the chunk count, the steps
     of a pass, the layers that recompute, and the rows exchanged (all sent as
     many as all receive). Each process plans its own part; plans that differ
