@@ -30,6 +30,7 @@ from hongtu.config import load_config, parse_size
 from hongtu.engine.budget import Chunkings, choose_resident
 from hongtu.engine.buffers import BufferPlan
 from hongtu.engine.trainer import load_data
+from hongtu.errors import UserError
 from hongtu.nn.model import build_model
 from hongtu.partition import assign_parts
 
@@ -58,10 +59,13 @@ def main() -> None:
         own = int(chunkings.chunker.part_sizes[rank])
         plan = BufferPlan(own, model.row_widths(), model.stored_aggregates(e.checkpoint),
                           itemsize)
-        resident, room, chunks = choose_resident(
-            e.resident, budget, plan.resident_bytes(), e.chunks, graph, assignment, parts,
-            model, itemsize, chunkings=chunkings, overlap=e.overlap, device="cuda",
-            direct=False, exchange=True, cached=model.cached_layers(e.checkpoint))
+        try:
+            resident, room, chunks = choose_resident(
+                e.resident, budget, plan.resident_bytes(), e.chunks, graph, assignment, parts,
+                model, itemsize, chunkings=chunkings, overlap=e.overlap, device="cuda",
+                direct=False, exchange=True, cached=model.cached_layers(e.checkpoint))
+        except UserError as err:  # (engine.resident=true where this part does not fit)
+            raise SystemExit(f"rank {rank}: {err}") from None
         rows.append(dict(rank=rank, rows=own, resident_bytes=plan.resident_bytes(),
                          resident=resident, room=room, chunks=chunks))
     every = all(r["resident"] for r in rows)  # (agree_resident's rule)
