@@ -366,12 +366,11 @@ class Trainer:
         # (a process of several keeps its own part's blocks)
         self.block_bytes = resident_block_bytes(sizes, itemsize, parts if world > 1 else 1)
         self.chunk_sizes = sizes  # (every part's chunks: rows and edges, as estimated)
-        mine = self.transfer_plan.plans[rank]
-        check_plans_agree(self.comm, self.resident, chunks, mine.num_steps, cached,
-                          int(mine.send_counts.sum()), int(mine.recv_counts.sum()))
-        self.plan_s = time.perf_counter() - t_plan
-        self.estimate = estimate(self.transfer_plan.plans[rank], sizes)
         dplan, widths = self.transfer_plan.plans[rank], self.model.row_widths()
+        check_plans_agree(self.comm, self.resident, chunks, dplan.num_steps, cached,
+                          int(dplan.send_counts.sum()), int(dplan.recv_counts.sum()))
+        self.plan_s = time.perf_counter() - t_plan
+        self.estimate = estimate(dplan, sizes)
         # Rows written in first-load order where the budget holds their index arrays.
         most = int(sizes.num_dst.max())
         index_bytes = ordered_rows_room(
