@@ -582,11 +582,17 @@ class Mover:
         return self._ready_event(self.s_in) if self.overlap else None
 
     def settle(self) -> None:
-        """Finish pending flushes, wait for the device, fold event times into ``traffic``."""
+        """Finish pending flushes, wait for the device, fold event times into ``traffic``.
+
+        It waits for every stream of the mover, not only compute: work that the
+        next pass takes when it needs it (the next forward's first rows,
+        :meth:`fetch_ahead`) may still go on the gather's stream, and its times
+        can be read only once it is done."""
         self.drain()
         if self.cuda:
             self.join()
-            self.compute.synchronize()
+            for stream in (self.compute, self.s_in, self.s_out, self.s_widen, self.s_gather):
+                stream.synchronize()
         if self.timeline is not None and self._events:
             base = self._events[0][1]
             self.timeline = [(f, base.elapsed_time(a), base.elapsed_time(b))

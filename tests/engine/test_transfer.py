@@ -287,6 +287,26 @@ def test_fetch_ahead_lands_pieces_in_order(device, overlap):
     mv.settle()
 
 
+@pytest.mark.gpu
+def test_settle_waits_for_rows_fetched_ahead():
+    """An epoch ends (``settle``) while the next forward's first rows, fetched
+    ahead, still travel on the gather's stream, which compute does not wait
+    for: settle waits for them before it reads their times (it stopped in
+    ``elapsed_time`` on reddit-like GCN 2x256), and they stay fetched."""
+    d = torch.device("cuda")
+    rows = 1 << 17
+    host = torch.arange(rows, dtype=torch.float32).view(-1, 1).expand(rows, 1024)
+    host = host.contiguous().pin_memory()  # 512 MiB: about 10 ms over the link
+    buf = torch.zeros(rows, 1024, device=d)
+    mv = Mover(d, {"dst": (1, 1)}, 1024, torch.float32)
+    ticket = mv.fetch_ahead(host, 0, rows, buf, 0, True)
+    mv.settle()
+    assert not mv._events and mv.traffic.time_h2d_s > 0
+    assert ticket.ready.query()
+    mv.place(ticket)
+    assert torch.equal(buf[:, 0].cpu(), host[:, 0]) and torch.equal(buf[-1].cpu(), host[-1])
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("overlap", [True, False])
 def test_gather_rows_brings_a_run_then_the_gathered_rows(device, overlap):
