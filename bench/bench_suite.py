@@ -13,6 +13,7 @@ of the sized graphs are kept as messages so the edge counts are exact):
 Models: ``gcn2``, ``gcn3`` (hidden 256), ``gat2`` (4 heads x 64 = 256),
 ``sage2`` (GraphSAGE, mean, hidden 256) and ``gin2`` (GIN, sum, hidden 256; its
 MLPs as wide as their layer's output); the last two are not in the default ``--models``.
+``--hidden`` sets another hidden width (GAT: the heads' together).
 Systems: ``hongtu`` (dedup + reorg + overlap, spare budget keeps reused rows),
 ``baseline`` (no dedup: no reuse, P2P, reorg, kept rows, whole layers or
 ordered inputs), ``resident`` (every buffer on the
@@ -403,6 +404,8 @@ def main() -> int:
                     help="epochs left out of the median (on a fresh GPU machine hongtu's "
                          "epochs 1-2 ran up to 1.5x slower than later ones)")
     ap.add_argument("--scale", type=int, default=None, help="R-MAT scale of rmat22/largest")
+    ap.add_argument("--hidden", type=int, default=None,
+                    help="hidden width instead of the workload's (GAT: all heads together)")
     ap.add_argument("--fraction", type=float, default=0.25,
                     help="out-of-core budget as a fraction of the in-memory need")
     ap.add_argument("--gat-budget", default="24GiB", help="GAT's budget at most this")
@@ -446,7 +449,7 @@ def main() -> int:
         print(f"pinned copy peak: h2d {peak['h2d'] / 1e9:.1f} GB/s, "
               f"d2h {peak['d2h'] / 1e9:.1f} GB/s, both at once {peak['both'] / 1e9:.1f} GB/s",
               flush=True)
-    hidden = WORKLOADS[args.workload]["hidden"]
+    hidden = args.hidden or WORKLOADS[args.workload]["hidden"]
     result = {"device": device_name(), "workload": args.workload,
               "num_nodes": graph.num_nodes, "num_edges": graph.num_edges,
               "num_features": graph.num_features, "num_classes": graph.num_classes,
