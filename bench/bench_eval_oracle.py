@@ -5,11 +5,12 @@ one, in one process.
 Evaluation reads the rows a training step fetched ahead for the next forward
 (on a GPU, the next forward's first rows travel during the last backward
 pass) and writes ``h^l`` in vertex order, where training writes them in load
-order; on graphs this size those copies are still in flight when a step ends.
-The training losses must not depend on whether evaluation ran (dropout
-streams are hashed from (seed, epoch, layer), so they do not), and the out-of-core
+order; on graphs this size those copies may still be in flight when a step
+ends (reddit-like GCN 2x256: ``bench/HISTORY.md``, 2026-11-28 tenth). The
+training losses must not depend on whether evaluation ran (dropout streams
+are hashed from (seed, epoch, layer), so they do not), and the out-of-core
 evaluation must count what the resident one counts. The unit tests check
-the same on small graphs, where every copy is done long before it is read.
+the same on small graphs, where those copies are short.
 
 Run (GPU machine)::
 
