@@ -1418,6 +1418,10 @@ class Executor:
         n, at = self.buf.h[0].shape[0], self._at[l - 1][1]
         return self._rowmem[at:at + n * self.buf.h[l].shape[1]].view(n, -1)
 
+    def _offset(self, t: Tensor) -> int:
+        """Where a view of the row memory begins in it (elements)."""
+        return (t.data_ptr() - self._rowmem.data_ptr()) // t.element_size()
+
     def _kept_grads(self, l: int) -> Tensor:
         """Where layer ``l - 1``'s backward reads a kept ``∇h^l`` (:func:`gradients_kept`):
         ``∇h^1`` and ``∇h^L`` where they were written; a later layer's at
@@ -1426,9 +1430,8 @@ class Executor:
         if l in (1, self.model.num_layers):
             return self._grad_rows(l)
         n, w = self.buf.h[0].shape[0], self.buf.h[l].shape[1]
-        g = self._grad_rows(l)
         at = kept_grads_at(n, self._widths, self._kept, l, self._kept_end,
-                           (g.data_ptr() - self._rowmem.data_ptr()) // g.element_size())
+                           self._offset(self._grad_rows(l)))
         return self._rowmem[at:at + n * w].view(n, w)
 
     def _sources(self, l: int, q: int, block: Block, tbuf: Tensor) -> Tensor:
@@ -1600,7 +1603,7 @@ class Executor:
         if len(self._kept) <= l or not self._kept[l]:
             return 0
         g = self._kept_grads(l)
-        start = (g.data_ptr() - self._rowmem.data_ptr()) // g.element_size()
+        start = self._offset(g)
         if start >= size or g.numel() == 0:
             return 0
         if l == 1:

@@ -231,8 +231,7 @@ def test_whole_layer_passes_equal_full_graph(case, layer, checkpoint, chunks):
     ref_loss, ref_grads = reference_step(model, g)
     assert_matches(model, res.loss, ref_loss, ref_grads)
     if ex._kept[1]:  # (where the next forward's first rows may not go ahead)
-        g1 = ex._grad_rows(1)
-        start = (g1.data_ptr() - ex._rowmem.data_ptr()) // g1.element_size()
+        start = ex._offset(ex._grad_rows(1))
         assert ex._prefetch_start(start + 1) is None and ex._prefetch_start(start) == 0
 
 
@@ -968,8 +967,7 @@ def test_next_forward_rows_travel_during_backward(layer, chunks):
 
 
 def _kept_grad_at(ex: Executor, l: int) -> int:
-    g = ex._kept_grads(l)
-    return (g.data_ptr() - ex._rowmem.data_ptr()) // g.element_size()
+    return ex._offset(ex._kept_grads(l))
 
 
 def test_kept_gradients_at_the_transition_buffers_end_keep_steps_exact(monkeypatch):
