@@ -425,7 +425,7 @@ def _out_of_memory(e: BaseException, command: str) -> str | None:
     m = re.search(r"Tried to allocate ([\d.]+ \w+)", str(e))
     line = (f"out of GPU memory{f' (tried to allocate {m.group(1)})' if m else ''}: lower "
             "engine.device_memory to leave PyTorch's allocator room beside the budget on this "
-            "GPU, or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before starting")
+            "GPU, and do not turn its expandable_segments off in PYTORCH_CUDA_ALLOC_CONF")
     if command == "train":
         line += "; add --resume to continue from the last checkpoint"
     return line

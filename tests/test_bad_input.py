@@ -205,7 +205,7 @@ def test_out_of_gpu_memory_is_one_line(capsys, env, monkeypatch):
     monkeypatch.setitem(cli._COMMANDS, "train", oom)
     err = fails(capsys, out, "out of GPU memory (tried to allocate 494.00 MiB): lower "
                 "engine.device_memory", "train", CONFIG, *base)
-    assert "expandable_segments:True" in err and "--resume" in err
+    assert "expandable_segments off" in err and "--resume" in err
 
     def broken(args):
         raise RuntimeError("not a memory problem")

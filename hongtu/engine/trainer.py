@@ -97,6 +97,41 @@ def resolve_device(accelerator: str, devices: int, local_rank: int = 0) -> torch
     return torch.device("cpu")
 
 
+#: the environment variables PyTorch reads its allocator's settings from
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def use_expandable_segments() -> bool:
+    """Have PyTorch's CUDA allocator map new memory into expandable segments
+    (``expandable_segments:True``), unless the environment's allocator settings
+    (:data:`ALLOC_CONF_VARS`) already say whether to: theirs stand. Whether
+    they are on.
+
+    A budget is what training may hold; with a segment per allocation the
+    allocator's free pieces between segments cannot serve a larger request,
+    and on a GPU the size of the budget training stopped out of memory where
+    the peak was within it (products-like and R-MAT 2^22 GCN 3×256, R-MAT 2^24
+    GCN 2×128 at the suite's budgets: ``bench/HISTORY.md``, 2026-11-28,
+    eleventh). Expandable segments hand the pages of free pieces back and map
+    new ones where the request is. The setting holds for this process's
+    segments made from then on.
+    """
+    for var in ALLOC_CONF_VARS:
+        conf = os.environ.get(var, "").replace(" ", "").lower()
+        if "expandable_segments:" in conf:
+            return "expandable_segments:true" in conf
+    # (newer PyTorch names one setter for every accelerator and deprecates the CUDA one)
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) \
+        or getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if setter is None:  # (a PyTorch without them)
+        return False
+    try:
+        setter("expandable_segments:True")
+    except RuntimeError:  # (a platform without them)
+        return False
+    return True
+
+
 def agree_resident(comm, choice: tuple[bool, int | None, int | None], budget: int | None
                    ) -> tuple[bool, int | None, int | None]:
     """Every process's :func:`~hongtu.engine.budget.choose_resident` made one:
@@ -185,12 +220,15 @@ class Trainer:
         if in_distributed_launch():
             local = int(os.environ.get("LOCAL_RANK", 0))
             self.device = resolve_device(e.accelerator, e.devices, local)
+            self.expandable = self.device.type == "cuda" and use_expandable_segments()
             self.comm = init_from_env(self.device.type == "cuda", e.timeout)
         else:
             if e.devices > 1:
                 raise UserError(f"engine.devices={e.devices} needs one process per device; "
                                 "start it with 'hongtu train' (which launches them) or torchrun")
             self.device = resolve_device(e.accelerator, 1)
+            #: PyTorch's allocator maps its memory in expandable segments (GPU)
+            self.expandable = self.device.type == "cuda" and use_expandable_segments()
         world, rank = (self.comm.world, self.comm.rank) if self.comm else (1, 0)
         self.rank, self.world = rank, world
         if rank != 0:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
 from hongtu.config import load_config
-from hongtu.engine.trainer import Trainer
+from hongtu.engine.trainer import ALLOC_CONF_VARS, Trainer
 from tests.conftest import REPO
 
 
@@ -143,6 +144,10 @@ def test_training_allocates_no_more_than_the_estimate(tmp_path, layers):
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
         assert peak <= tr.estimate <= 1 << 30, (peak, tr.estimate)
+        if not any("expandable_segments" in os.environ.get(v, "") for v in ALLOC_CONF_VARS):
+            # (the trainer turned them on: its segments are expandable)
+            assert tr.expandable
+            assert any(seg.get("is_expandable") for seg in torch.cuda.memory_snapshot())
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         del BUILTIN_DATASETS["rmat17_budget"]
@@ -157,6 +162,32 @@ def tf32_at_steps(tr, monkeypatch) -> list[bool]:
     monkeypatch.setattr(tr.executor, "step", lambda *a, **k: seen.append(
         torch.backends.cuda.matmul.allow_tf32) or step(*a, **k))
     return seen
+
+
+@pytest.mark.parametrize("conf, turned_on, result", [
+    ({}, True, True),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}, True, True),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, False, False),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64, expandable_segments:True"}, False, True),
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:false"}, False, False),
+])
+def test_expandable_segments_unless_the_environment_says(monkeypatch, conf, turned_on, result):
+    """The trainer turns on the allocator's expandable segments on a GPU; an
+    environment that already says whether to use them is left as it is."""
+    import torch
+
+    from hongtu.engine import trainer
+
+    calls = []
+    for var in ALLOC_CONF_VARS:
+        monkeypatch.delenv(var, raising=False)
+    for var, value in conf.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append,
+                        raising=False)
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    assert trainer.use_expandable_segments() is result
+    assert calls == (["expandable_segments:True"] if turned_on else [])
 
 
 def test_tf32_is_a_gpu_setting_set_for_the_run_alone(tmp_path, monkeypatch):
