@@ -217,18 +217,20 @@ class Trainer:
         check_output_dir(self.outdir, overwrite)
         e = cfg.engine
         self.comm = None
-        if in_distributed_launch():
+        launched = in_distributed_launch()
+        if launched:
             local = int(os.environ.get("LOCAL_RANK", 0))
             self.device = resolve_device(e.accelerator, e.devices, local)
-            self.expandable = self.device.type == "cuda" and use_expandable_segments()
-            self.comm = init_from_env(self.device.type == "cuda", e.timeout)
         else:
             if e.devices > 1:
                 raise UserError(f"engine.devices={e.devices} needs one process per device; "
                                 "start it with 'hongtu train' (which launches them) or torchrun")
             self.device = resolve_device(e.accelerator, 1)
-            #: PyTorch's allocator maps its memory in expandable segments (GPU)
-            self.expandable = self.device.type == "cuda" and use_expandable_segments()
+        #: PyTorch's allocator maps its memory in expandable segments (a GPU; set
+        #: before NCCL starts)
+        self.expandable = self.device.type == "cuda" and use_expandable_segments()
+        if launched:
+            self.comm = init_from_env(self.device.type == "cuda", e.timeout)
         world, rank = (self.comm.world, self.comm.rank) if self.comm else (1, 0)
         self.rank, self.world = rank, world
         if rank != 0:
