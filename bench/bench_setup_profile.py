@@ -25,7 +25,7 @@ Run on a GPU machine::
     python bench/bench_setup_profile.py rmat22 --no-warmup --first-epochs 3
 
 Prints the figures and writes
-``bench/results/setup_profile_<workload>_<model>_<device>.json``.
+``bench/results/[<tag>_]setup_profile_<workload>[-<scale>]_<model>_<device>.json``.
 """
 
 from __future__ import annotations
@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-warmup", action="store_true",
                     help="skip the numba/GPU warm-up (for the first epochs' profile)")
     ap.add_argument("--top", type=int, default=25, help="functions listed per profile")
+    ap.add_argument("--tag", default="", help="prefix of the result file's name")
     ap.add_argument("--workdir", default="/tmp/hongtu_setup_profile")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
@@ -148,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         else int(in_memory_need(graph, mcfg) * args.fraction)
     threads = [int(t) for t in args.threads.split(",")] if args.threads \
         else [numba.config.NUMBA_NUM_THREADS]
-    result = {"device": device_name(), "workload": args.workload, "model": mcfg,
+    result = {"device": device_name(), "workload": args.workload, "scale": args.scale,
+              "model": mcfg,
               "num_nodes": graph.num_nodes, "num_edges": graph.num_edges,
               "budget_bytes": budget, "warm_up": not args.no_warmup, "setups": [],
               "first_epochs": None}
@@ -200,8 +202,9 @@ def main(argv: list[str] | None = None) -> int:
                     show("total time:", ep["total_time"])
             result["first_epochs"] = epochs
         del tr
-    path = write_json(Path(args.out) / (
-        f"setup_profile_{args.workload}_{args.model}_{file_tag(result['device'])}.json"), result)
+    name = f"setup_profile_{args.workload}{f'-{args.scale}' if args.scale else ''}_{args.model}_" \
+        f"{file_tag(result['device'])}.json"
+    path = write_json(Path(args.out) / (f"{args.tag}_{name}" if args.tag else name), result)
     print(f"wrote {path}")
     return 0
 
