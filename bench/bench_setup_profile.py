@@ -17,7 +17,8 @@ With ``--first-epochs N`` the first ``N`` epochs of the first trainer run under
 overall are written out: a process's first epoch loads or compiles its Triton
 kernels, starts cuBLAS and grows the allocator. Run that without the warm-up
 (``--no-warmup``), which trains small graphs on the device first; the numba
-kernels then compile in the first setup unless an earlier run cached them.
+kernels then load from numba's cache in the first setup (compile, where no
+earlier run cached them), which a second thread count's setup does not repeat.
 
 Run on a GPU machine::
 
@@ -130,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--first-epochs", type=int, default=0,
                     help="profile this many first epochs of the first trainer")
     ap.add_argument("--no-warmup", action="store_true",
-                    help="skip the numba/GPU warm-up (for the first epochs' profile)")
+                    help="skip the warm-up (small graphs trained first, loading the numba "
+                         "kernels and starting the GPU): a fresh process's first setup and "
+                         "first epochs")
     ap.add_argument("--top", type=int, default=25, help="functions listed per profile")
     ap.add_argument("--tag", default="", help="prefix of the result file's name")
     ap.add_argument("--workdir", default="/tmp/hongtu_setup_profile")
