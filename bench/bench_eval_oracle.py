@@ -23,13 +23,12 @@ difference, and writes ``bench/results/eval_oracle_<workload>_<model>_<device>.j
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 from bench_suite import MODELS, SYSTEMS, WORKLOADS, make_graph, model_cfg, suite_config
-from common import RESULTS, device_name, file_tag
+from common import RESULTS, device_name, file_tag, write_json
 
 from hongtu.config import parse_size
 from hongtu.engine.trainer import Trainer
@@ -81,10 +80,8 @@ def main() -> int:
                   for k in ("train_acc", "val_acc", "test_acc"))
         out["acc_max_abs_diff_ooc_resident"] = acc
         print(f"largest accuracy difference, out of core against resident: {acc:.2e}")
-    path = Path(args.out) / (f"eval_oracle_{args.workload}_{args.model}_"
-                             f"{file_tag(out['device'])}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2))
+    path = write_json(Path(args.out) / (f"eval_oracle_{args.workload}_{args.model}_"
+                                        f"{file_tag(out['device'])}.json"), out)
     print(f"wrote {path}")
     return 0
 
