@@ -39,7 +39,6 @@ import pstats
 import re
 import sys
 import time
-from pathlib import Path
 
 import numba
 import torch
@@ -51,8 +50,9 @@ from bench_suite import (
     model_cfg,
     suite_config,
     warm_up,
+    workload_arguments,
 )
-from common import RESULTS, device_name, file_tag, write_json
+from common import RESULTS, device_name, workload_json, write_json
 
 from hongtu.config import parse_size
 from hongtu.engine.trainer import Trainer
@@ -119,10 +119,7 @@ def show(title: str, rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("workload", choices=sorted(WORKLOADS))
-    ap.add_argument("--scale", type=int, default=None, help="R-MAT scale of rmat22/largest")
-    ap.add_argument("--model", default="gcn2", help="one of bench_suite's models")
-    ap.add_argument("--hidden", type=int, default=None)
+    workload_arguments(ap)
     ap.add_argument("--budget", default=None, help="device budget (default: --fraction "
                                                    "of hongtu's in-memory estimate)")
     ap.add_argument("--fraction", type=float, default=0.25)
@@ -205,9 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                     show("total time:", ep["total_time"])
             result["first_epochs"] = epochs
         del tr
-    name = f"setup_profile_{args.workload}{f'-{args.scale}' if args.scale else ''}_{args.model}_" \
-        f"{file_tag(result['device'])}.json"
-    path = write_json(Path(args.out) / (f"{args.tag}_{name}" if args.tag else name), result)
+    path = write_json(workload_json(args.out, "setup_profile", args, result["device"]), result)
     print(f"wrote {path}")
     return 0
 

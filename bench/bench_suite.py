@@ -162,6 +162,15 @@ def in_memory_need(graph, mcfg: dict) -> int:
                               4).resident_bytes()
 
 
+def workload_arguments(ap) -> None:
+    """A script's ``workload``, ``--scale``, ``--model`` and ``--hidden`` (one suite
+    workload and model)."""
+    ap.add_argument("workload", choices=sorted(WORKLOADS))
+    ap.add_argument("--scale", type=int, default=None, help="R-MAT scale of rmat22/largest")
+    ap.add_argument("--model", default="gcn2", help="one of bench_suite's models")
+    ap.add_argument("--hidden", type=int, default=None)
+
+
 def suite_config(workload: str, mcfg: dict, workdir: str, epochs: int, **engine):
     """The configuration every benchmark trains or plans a suite workload with:
     the registered graph as it is (``builtin:<workload>``), seed 0, range

@@ -24,6 +24,14 @@ def write_json(path: Path, doc, indent: int = 2) -> Path:
     return path
 
 
+def workload_json(out: str | Path, kind: str, args, device: str) -> Path:
+    """``out/[<tag>_]<kind>_<workload>[-<scale>]_<model>_<device>.json`` of a
+    script's ``args`` (``workload``, ``scale``, ``model``, ``tag``)."""
+    name = f"{kind}_{args.workload}{f'-{args.scale}' if args.scale else ''}_{args.model}_" \
+        f"{file_tag(device)}.json"
+    return Path(out) / (f"{args.tag}_{name}" if args.tag else name)
+
+
 def timed(fn, *args, **kwargs):
     """``(result, seconds)`` of one call."""
     t0 = time.perf_counter()

@@ -43,9 +43,9 @@ __all__ = ["AUTO_BUDGET_FRACTION", "CHUNK_CANDIDATES", "ROWS_PER_EXTRA_CHUNK", "
            "Chunkings", "aggregates_in_place", "batch_bytes", "check_device_budget",
            "choose_chunks", "choose_resident", "chunk_sizes",
            "estimate_device_bytes", "first_layer_stores", "first_layer_whole_faster",
-           "grown_row_memory", "kept_graph_bytes", "kept_graph_layers", "kept_graph_need",
-           "kept_graphs", "leftover_bytes", "more_chunks", "more_chunks_text", "plan_loads",
-           "resident_block_bytes", "row_memory", "slot_widths", "spare_rows",
+           "grown_row_memory", "held_store_bytes", "kept_graph_bytes", "kept_graph_layers",
+           "kept_graph_need", "kept_graphs", "leftover_bytes", "more_chunks", "more_chunks_text",
+           "plan_loads", "resident_block_bytes", "row_memory", "slot_widths", "spare_rows",
            "takes_more_chunks", "whole_layer_needs"]
 
 CHUNK_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512,
@@ -340,8 +340,22 @@ def _estimate(model: GNN, sizes: ChunkSizes, itemsize: int, training: bool, num_
     fixed += num_nodes * 11  # labels (int64) and three masks (bool)
     fixed += flush_pieces_bytes(model, max_dst, itemsize, num_nodes, gpu) if training else 0
     fixed += _FIXED_EXTRA
+    fixed += held_store_bytes(model, max_dst, itemsize) if gpu and overlap and not direct else 0
     return int(fixed + _SLACK * max(_batch_bytes(model, sizes, itemsize, training, cached,
                                                   exchange, direct)))
+
+
+def held_store_bytes(model: GNN, max_dst: int, itemsize: int = 4) -> int:
+    """Device bytes a GPU with overlap holds for the stores of the batch before
+    while a batch computes: what a batch stores stays allocated until compute
+    waits for its store, a batch later (:meth:`~hongtu.engine.transfer.Mover._keep`;
+    before, the allocator took it back only once this thread saw the store
+    done, and took more memory meanwhile). Counted as the largest chunk's rows
+    at the model's widest row (R-MAT 2^24 GCN 2x128 on an H200: the measured
+    peak rose by 0.77 GiB with them held, against 0.67 GiB here; the estimate
+    has ``_SLACK`` on the batch's own bytes; ``bench/HISTORY.md``, 2026-11-28,
+    twelfth)."""
+    return int(max_dst) * max(model.row_widths()) * itemsize
 
 
 def aggregates_in_place(model: GNN, cached: list[bool], exchange: bool = False,

@@ -1854,6 +1854,7 @@ class Executor:
                     mark.append(mv.load_mark())
                     after()
 
+            mv.step()
             run(i, ahead, fetch_next)
             ahead = box[0] if box else (fetch(i + 1) if i + 1 < n else None)
         mv.join(mark[0] if mark else None, stores=not loose and mv.stored_in_pass)

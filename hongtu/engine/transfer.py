@@ -40,6 +40,7 @@ largest step load) and handed out as views.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import importlib
@@ -113,6 +114,9 @@ class Ticket:
     slots: Tensor | None = None
     buf: Tensor | None = None
     ring: tuple | None = None
+    #: device memory the copy wrote on its way (a block's int32 arrays before
+    #: they were widened), kept until the ticket is taken
+    keep: list | None = None
 
 
 #: Grids ``(programs, rows per program and loop iteration)`` of the row-copy
@@ -408,6 +412,10 @@ class Mover:
         self._stores_before = None
         self._saw_stores = False
         self._stored = False
+        # Tensors compute made whose stores still read them: (batch, tensor,
+        # the store's event), given back in stream order (step)
+        self._held: collections.deque = collections.deque()
+        self._batch = 0
         if self.cuda:
             # work is issued on this stream but where the mover selects another (_on)
             self.compute = torch.cuda.current_stream(device)
@@ -530,9 +538,10 @@ class Mover:
         arrays) do not wait, so a pass that begins with them starts while the
         stores of the pass before, which did not wait for them
         (:meth:`join`), still go. (A load into device memory that compute used
-        waits for the compute issued before it, :meth:`_on`; a block's copy,
-        into memory of its own, does not: the next pass's first block travels
-        while this one ends.)
+        waits for the compute issued before it, :meth:`_on`, and so does a
+        block's copy, into memory compute may have freed, :meth:`fetch_block`:
+        issued at a pass's last batch, the next pass's first block travels
+        while that batch computes.)
         """
         if self.overlap:
             self._stores_before = self._ready_event(self.s_out)
@@ -549,8 +558,8 @@ class Mover:
         loads, with ``loads_until`` (a :meth:`load_mark`), only for those issued
         before it (later ones are the next pass's, which takes each as it
         needs it). Without ``stores``, not for stores: where each read memory
-        of its own (a tensor compute made for it, which the allocator keeps
-        until the store is done, :meth:`_keep`), the next pass computes while
+        of its own (a tensor compute made for it, held until compute waits
+        for the store, :meth:`_keep`), the next pass computes while
         they go, and its loads of rows see them (:meth:`barrier`)."""
         if self.overlap:
             if loads_until is None:
@@ -559,6 +568,7 @@ class Mover:
                 self.compute.wait_event(loads_until)
             if stores:
                 self._follow(self.compute, self.s_out)
+                self._release(wait=False)  # (compute waits for them all now)
 
     @property
     def stored_in_pass(self) -> bool:
@@ -577,6 +587,32 @@ class Mover:
         with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
             yield
 
+    def step(self) -> None:
+        """A batch begins: the tensors that the stores of the batch before the
+        last read are given back to the allocator (:meth:`_keep`), compute
+        waiting for those stores first (on the device; this thread does not
+        wait)."""
+        self._batch += 1
+        self._release(self._batch - 1)
+
+    def _release(self, before: int | None = None, wait: bool = True,
+                 most: int | None = None) -> None:
+        """Give back the held tensors of batches before ``before`` (all: ``None``;
+        the ``most`` oldest at most), compute waiting first for the last of
+        their stores (the store stream runs in order), unless not ``wait`` (it
+        waits for them already)."""
+        n, last = 0, None
+        for batch, _, event in self._held:
+            if (before is not None and batch >= before) or (most is not None and n >= most):
+                break
+            n, last = n + 1, event
+        if not n:
+            return
+        if wait:
+            self.compute.wait_event(last)
+        for _ in range(n):  # (after the wait: what compute allocates next comes after it)
+            self._held.popleft()
+
     def load_mark(self):
         """An event after the loads issued so far (for :meth:`join`), or ``None``."""
         return self._ready_event(self.s_in) if self.overlap else None
@@ -593,6 +629,7 @@ class Mover:
             self.join()
             for stream in (self.compute, self.s_in, self.s_out, self.s_widen, self.s_gather):
                 stream.synchronize()
+        self._held.clear()
         if self.timeline is not None and self._events:
             base = self._events[0][1]
             self.timeline = [(f, base.elapsed_time(a), base.elapsed_time(b))
@@ -836,33 +873,37 @@ class Mover:
         (a kernel on the copy stream would hold up the copies behind it while
         compute fills the GPU).
         """
-        out, narrow = {}, []
         runs, empty = self._block_copies(block, skip)
-        with self._on(self.s_in, after_compute=False), self.timing("time_h2d_s", self.s_in):
-            for span, parts in runs:
+        # Its memory is compute's, as if compute allocated it (here, before the
+        # copies): wherever the block is freed, what compute allocates next
+        # reuses it in compute's order, which waits for the copies when it
+        # takes the block. The copies wait for the compute issued so far, which
+        # may still read what that memory held before.
+        dev = [torch.empty(span.shape, dtype=span.dtype, device=self.device) for span, _ in runs]
+        wide = [torch.empty(d.shape, dtype=torch.int64, device=self.device)
+                if d.dtype == torch.int32 else d for d in dev]
+        out = {name: torch.empty(getattr(block, name).shape, device=self.device,
+                                 dtype=torch.int64 if getattr(block, name).dtype == torch.int32
+                                 else getattr(block, name).dtype)
+               for name in empty}  # (made on the device)
+        with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
+            for (span, _), d in zip(runs, dev):
                 self.traffic.h2d_bytes += span.nbytes
-                d = span.to(self.device, non_blocking=True)
-                if d.dtype == torch.int32:
-                    narrow.append((d, parts))
-                else:
-                    out.update((name, d if a is None else d[a:b]) for name, a, b in parts)
-        for name in empty:  # (made on the device)
-            t = getattr(block, name)
-            out[name] = torch.empty(t.shape, device=self.device,
-                                    dtype=torch.int64 if t.dtype == torch.int32 else t.dtype)
+                d.copy_(span, non_blocking=True)
         ready = self._ready_event(self.s_in)
+        narrow = [(d, w) for d, w in zip(dev, wide) if w is not d]
         if narrow:
             if ready is not None:
                 self.s_widen.wait_event(ready)
             with self._on(self.s_widen, after_compute=False), \
                     self.timing("time_h2d_s", self.s_widen):
-                for d, parts in narrow:
-                    if self.overlap:
-                        d.record_stream(self.s_widen)
-                    wide = d.long()
-                    out.update((name, wide if a is None else wide[a:b]) for name, a, b in parts)
+                for d, w in narrow:
+                    w.copy_(d)
             ready = self._ready_event(self.s_widen)
-        return Ticket(block.replace_tensors(out), ready)
+        for (_, parts), w in zip(runs, wide):
+            out.update((name, w if a is None else w[a:b]) for name, a, b in parts)
+        return Ticket(block.replace_tensors(out), ready,
+                      keep=[d for d, _ in narrow] if narrow and self.overlap else None)
 
     def _block_copies(self, block, skip: tuple[str, ...]) -> tuple[list, list[str]]:
         """:func:`_block_runs` of ``block`` without ``skip``, and the names of its
@@ -881,10 +922,11 @@ class Mover:
         return sum(span.nbytes for span, _ in self._block_copies(block, skip)[0])
 
     def take_block(self, t: Ticket):
-        """The block of a :meth:`fetch_block`; its memory is kept until compute is done."""
+        """The block of a :meth:`fetch_block`, once compute may read it (its memory
+        is compute's: freed wherever it ends, it is reused after what compute
+        issued before)."""
         self._wait(t)
-        if self.overlap:
-            t.value.record_stream(self.compute)
+        t.keep = None  # (the widening that read them is done before compute goes on)
         return t.value
 
     def take(self, t: Ticket) -> Tensor:
@@ -914,9 +956,23 @@ class Mover:
         self._keep(value)
 
     def _keep(self, value: Tensor) -> None:
-        """``value`` stays allocated until the store stream is done with it."""
-        if self.overlap:
-            value.record_stream(self.s_out)
+        """``value`` (memory compute allocated, or device memory the run keeps)
+        stays allocated until the store stream is done with it: held until a
+        batch after the next begins (:meth:`step`), or compute waits for every
+        store (:meth:`join`), and given back after compute waits for its store
+        on the device. What compute allocates then takes its place in
+        compute's order. (``record_stream`` would hand it back only once this
+        thread, allocating, saw the store done: running batches ahead of the
+        device, it found it not done yet, and the allocator took more memory,
+        or, held to a GPU's size, synchronised the device to free its cache;
+        ``bench/HISTORY.md``, 2026-11-28, twelfth.)"""
+        if not self.overlap:
+            return
+        event = torch.cuda.Event()
+        event.record(self.s_out)
+        self._held.append((self._batch, value, event))
+        if len(self._held) > _HELD_MOST:  # (stores with no batches between them)
+            self._release(most=len(self._held) - _HELD_LAST)
 
     def exchange(self, comm, out: Tensor, out_counts: list[int], inp: Tensor,
                  in_counts: list[int]) -> None:
@@ -1080,6 +1136,9 @@ def _add_into(host: Tensor, where, vals: np.ndarray) -> None:
 
 
 _STAGES = 3  # pinned flush staging areas (flushes in flight to the CPU adder)
+# Held stores' tensors (Mover._keep) past which, with no batch begun between
+# them, all but the last _HELD_LAST are given back (compute waiting for them).
+_HELD_MOST, _HELD_LAST = 64, 16
 
 
 def flush_staging_bytes(elements: int, itemsize: int) -> int:

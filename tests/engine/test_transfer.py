@@ -257,6 +257,68 @@ def test_a_pass_may_end_before_its_stores_and_loads_after_it_see_them():
         mv.settle()
 
 
+@pytest.mark.gpu
+def test_a_stores_source_is_given_back_after_compute_waits_for_the_store():
+    """The tensor a store reads stays allocated when the caller drops it, and
+    is given back when a batch after the next begins (``step``), after compute
+    waits for the store on the device: what compute allocates next in its
+    place (the same memory) is written only once the store, held up behind a
+    slow store stream here, has read it. ``join`` with stores gives back the
+    rest at once."""
+    d = torch.device("cuda")
+    n = 1 << 18  # (4 MiB of rows: its own piece of the allocator's cache)
+    mv = Mover(d, {"dst": (1, 1)}, 4, torch.float32)
+    host = torch.zeros(n, 4).pin_memory()
+    mv.step()
+    value = torch.full((n, 4), 3.0, device=d)
+    ptr, base = value.data_ptr(), torch.cuda.memory_allocated()
+    with mv._on(mv.s_out, after_compute=False):
+        torch.cuda._sleep(200_000_000)  # (a store stream far behind)
+    mv.store_range(host, 0, value)
+    del value
+    mv.step()
+    assert torch.cuda.memory_allocated() == base  # (held: the store reads it)
+    mv.step()
+    assert torch.cuda.memory_allocated() < base  # (given back)
+    again = torch.empty((n, 4), device=d)
+    assert again.data_ptr() == ptr  # (compute reuses that memory...)
+    again.fill_(-1.0)  # (...only after the store read it)
+    torch.cuda.synchronize()
+    assert bool((host == 3.0).all())
+    for k in range(3):  # stores of one batch; join with stores gives them back
+        mv.store_range(host, 0, torch.full((n, 4), float(k), device=d))
+    held = torch.cuda.memory_allocated()
+    mv.join(stores=False)
+    assert torch.cuda.memory_allocated() == held
+    mv.join()
+    assert torch.cuda.memory_allocated() == held - 3 * n * 4 * 4
+    mv.settle()
+
+
+@pytest.mark.gpu
+def test_a_blocks_copy_waits_for_compute_that_read_its_memory_before():
+    """A block's device memory is compute's (``fetch_block``): memory compute
+    freed, a slow kernel still reading it, may hold the block, whose copy waits
+    for that kernel; the kernel reads what it should."""
+    d = torch.device("cuda")
+    mv = Mover(d, {"dst": (1, 1)}, 1, torch.float32)
+    p = pin_blocks(_blocks())[1]
+    span = mv._block_copies(p, ())[0][0][0]
+    old = torch.full(span.shape, -7, dtype=span.dtype, device=d)
+    ptr = old.data_ptr()
+    torch.cuda._sleep(200_000_000)  # (compute far behind)
+    read = old.clone()
+    del old
+    t = mv.fetch_block(p, ())
+    assert t.keep and t.keep[0].data_ptr() == ptr  # (its first copy, int32, went there)
+    got = mv.take_block(t)
+    torch.cuda.synchronize()
+    assert bool((read == -7).all())
+    for name in p.tensor_names():
+        assert torch.equal(getattr(got, name).cpu(), getattr(_blocks()[1], name))
+    mv.settle()
+
+
 def numbered_rows(d: torch.device) -> torch.Tensor:
     """40 host rows of 3 numbered 0..119 (pinned for a GPU)."""
     host = torch.arange(40 * 3, dtype=torch.float32).view(40, 3)

@@ -1,0 +1,212 @@
+"""hongtu with PyTorch's allocator held to the budget and not, in one process (a
+benchmark, not a test).
+
+Builds one suite workload (:mod:`bench_suite`'s graphs, models and
+configuration, hongtu out of core at ``--budget``) and trains it once per entry
+of ``--runs``, in that order: ``cap`` with the allocator limited to the budget
+(``torch.cuda.set_per_process_memory_fraction``: a GPU the size of
+``engine.device_memory``), ``free`` without. ``SYSTEM:cap`` runs another
+suite system (``hongtu@24:cap``: 24 chunks). Interleaving them in one process
+compares them on one machine at one moment: these machines are shared, and
+their epochs differ from call to call by more than some of the differences
+measured here.
+
+Per run: the median epoch, the allocator's retries (each a synchronisation of
+the device, after which it freed its cached memory to allocate again), the
+peak of what was allocated and of what it reserved, the estimate, the bytes
+each way and the losses. With ``--trace`` the first run records the
+allocator's history over its second epoch (``torch.cuda.memory``'s
+recording, without stack frames but Python's), and writes per CUDA stream
+(named as the executor's mover names them) what was allocated, mapped and
+unmapped, the largest allocations by where they were made, and the
+allocation after each unmapping: which tensors made it give memory back.
+
+Run on a GPU machine::
+
+    python bench/bench_cap.py largest --scale 24 --budget 15124681728 --runs cap,free,cap,free
+    python bench/bench_cap.py products-like --model gcn3 --budget 4803769344 --trace
+
+Prints one line per run and writes
+``bench/results/[<tag>_]cap_<workload>[-<scale>]_<model>_<device>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import sys
+import time
+
+import bench_suite
+import torch
+from bench_suite import WORKLOADS, hongtu_run, make_graph, model_cfg, workload_arguments
+from common import RESULTS, device_name, workload_json, write_json
+
+from hongtu.config import parse_size
+from hongtu.graph.datasets import BUILTIN_DATASETS, BuiltinDataset
+
+MIB = 1 << 20
+#: allocations at least this large are listed by where they were made
+BIG = 16 * MIB
+
+
+def parse_runs(text: str) -> list[tuple[str, bool]]:
+    """``"cap,free,hongtu@24:cap"`` -> ``[("hongtu", True), ("hongtu", False),
+    ("hongtu@24", True)]``."""
+    out = []
+    for item in text.split(","):
+        system, _, how = item.strip().rpartition(":")
+        if how not in ("cap", "free"):
+            raise SystemExit(f"--runs: {item!r} is not cap, free, SYSTEM:cap or SYSTEM:free")
+        out.append((system or "hongtu", how == "cap"))
+    return out
+
+
+def _where(entry: dict) -> str:
+    """The innermost hongtu frames of a trace entry, ``file:line:function < ...``."""
+    frames = [f for f in entry.get("frames", []) if "hongtu/" in f["filename"]]
+    return " < ".join(f"{f['filename'].split('hongtu/')[-1]}:{f['line']}:{f['name']}"
+                      for f in frames[:3])
+
+
+def summarise_trace(trace: list[dict], names: dict[int, str], top: int = 25) -> dict:
+    """What an allocator history (one device's ``device_traces`` of
+    ``torch.cuda.memory._snapshot()``) did per stream (``names``: CUDA stream
+    handle -> name): per ``action@stream`` the count and GiB; the largest
+    allocations (``BIG`` and up) by stream, size in MiB and where; and for
+    each run of unmappings, the MiB unmapped and the allocation that followed
+    it."""
+    def stream(e):
+        return names.get(e["stream"], str(e["stream"]))
+
+    actions = collections.defaultdict(lambda: [0, 0.0])
+    big = collections.Counter()
+    after_unmaps = []
+    unmapped = 0
+    for e in trace:
+        key = f"{e['action']}@{stream(e)}"
+        actions[key][0] += 1
+        actions[key][1] += e["size"] / (1 << 30)
+        if e["action"] == "alloc" and e["size"] >= BIG:
+            big[(stream(e), round(e["size"] / MIB), _where(e))] += 1
+        if e["action"] == "segment_unmap":
+            unmapped += e["size"]
+        elif e["action"] == "alloc" and unmapped:
+            after_unmaps.append({"unmapped_mib": round(unmapped / MIB), "stream": stream(e),
+                                 "alloc_mib": round(e["size"] / MIB), "where": _where(e)})
+            unmapped = 0
+    largest = sorted(big.items(), key=lambda kv: -kv[0][1] * kv[1])[:top]
+    return {"actions": {k: {"count": n, "gib": round(g, 3)} for k, (n, g) in actions.items()},
+            "largest_allocations": [{"stream": s, "mib": m, "count": n, "where": w}
+                                    for (s, m, w), n in largest],
+            "after_unmaps": after_unmaps[:top]}
+
+
+def segments_by_stream(segments: list[dict], names: dict[int, str]) -> dict:
+    """Reserved and allocated GiB of the allocator's segments per stream."""
+    out = collections.defaultdict(lambda: {"reserved_gib": 0.0, "allocated_gib": 0.0,
+                                           "segments": 0})
+    for s in segments:
+        d = out[names.get(s["stream"], str(s["stream"]))]
+        d["reserved_gib"] += s["total_size"] / (1 << 30)
+        d["allocated_gib"] += s["allocated_size"] / (1 << 30)
+        d["segments"] += 1
+    return dict(out)
+
+
+class _Recording:
+    """Wraps the suite's :class:`~hongtu.engine.trainer.Trainer` so that one run
+    records the allocator's history over its epoch ``1``."""
+
+    def __init__(self) -> None:
+        self.result: dict | None = None
+        self.on = False
+
+    def trainer_class(self, base):
+        rec = self
+
+        class Recorded(base):
+            def run_epoch(self, epoch, **kw):
+                if not (rec.on and epoch == 1):
+                    return super().run_epoch(epoch, **kw)
+                mv = self.executor.mover
+                names = {0: "compute"}
+                for n in ("compute", "s_in", "s_out", "s_widen", "s_gather"):
+                    s = getattr(mv, n)
+                    if s is not None:
+                        names.setdefault(s.cuda_stream, n)
+                torch.cuda.memory._record_memory_history(context="alloc", stacks="python",
+                                                         max_entries=1_000_000)
+                try:
+                    out = super().run_epoch(epoch, **kw)
+                    snap = torch.cuda.memory._snapshot()
+                finally:
+                    torch.cuda.memory._record_memory_history(enabled=None)
+                rec.result = {"streams": segments_by_stream(snap["segments"], names),
+                              **summarise_trace(snap["device_traces"][0], names)}
+                return out
+
+        return Recorded
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    workload_arguments(ap)
+    ap.add_argument("--budget", required=True, help="device budget (engine.device_memory)")
+    ap.add_argument("--runs", default="cap,free,cap,free",
+                    help="cap, free, SYSTEM:cap or SYSTEM:free, in order")
+    ap.add_argument("--epochs", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--trace", action="store_true",
+                    help="record the allocator's history in the first run's second epoch")
+    ap.add_argument("--tag", default="", help="prefix of the result file's name")
+    ap.add_argument("--workdir", default="/tmp/hongtu_cap")
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args(argv)
+    runs = parse_runs(args.runs)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_cap.py measures a GPU's allocator: no GPU here")
+
+    graph = make_graph(args.workload, args.scale)
+    BUILTIN_DATASETS[args.workload] = BuiltinDataset(args.workload, lambda: graph)
+    mcfg = model_cfg(args.model, args.hidden or WORKLOADS[args.workload]["hidden"])
+    budget = parse_size(args.budget)
+    recording = _Recording()
+    base = bench_suite.Trainer
+    bench_suite.Trainer = recording.trainer_class(base)
+    result = {"device": device_name(), "workload": args.workload, "scale": args.scale,
+              "model": mcfg, "num_nodes": graph.num_nodes, "num_edges": graph.num_edges,
+              "budget_bytes": budget, "runs": []}
+    try:
+        for k, (system, cap) in enumerate(runs):
+            recording.on = args.trace and k == 0
+            run_args = argparse.Namespace(workdir=args.workdir, epochs=args.epochs,
+                                          warmup=args.warmup, cap=cap, resident_budget=None)
+            gc.collect()
+            torch.cuda.empty_cache()
+            t0 = time.perf_counter()
+            r = hongtu_run(args.workload, mcfg, system, budget, run_args, {})
+            rec = {"system": system, "cap": cap, "wall_s": time.perf_counter() - t0,
+                   **{key: r.get(key) for key in (
+                       "status", "chunks", "median_epoch_s", "epoch_s", "alloc_retries",
+                       "peak_device_bytes", "reserved_peak_bytes", "estimate_bytes",
+                       "h2d_bytes", "d2h_bytes", "loss")}}
+            if recording.on:
+                rec["allocator"] = recording.result
+            result["runs"].append(rec)
+            gib = 1 << 30
+            print(f"=== {system} {'cap' if cap else 'free'}: {rec['status']}, "
+                  f"{rec['chunks']} chunks, epoch {rec['median_epoch_s'] or 0:.4f} s, "
+                  f"retries {rec['alloc_retries']}, "
+                  f"peak {(rec['peak_device_bytes'] or 0) / gib:.2f} GiB, "
+                  f"reserved {(rec['reserved_peak_bytes'] or 0) / gib:.2f} GiB", flush=True)
+    finally:
+        bench_suite.Trainer = base
+    path = write_json(workload_json(args.out, "cap", args, result["device"]), result)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""bench/bench_cap.py's run list and allocator summaries (no GPU needed)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+bench_cap = pytest.importorskip("bench_cap")
+
+MIB = 1 << 20
+
+
+def test_runs_name_a_system_and_whether_the_allocator_is_capped():
+    assert bench_cap.parse_runs("cap,free,hongtu@24:cap, baseline:free") == [
+        ("hongtu", True), ("hongtu", False), ("hongtu@24", True), ("baseline", False)]
+    with pytest.raises(SystemExit, match="'capped' is not cap, free"):
+        bench_cap.parse_runs("cap,capped")
+
+
+def _frame(name, line=1):
+    return {"filename": f"/x/hongtu/engine/{name}.py", "line": line, "name": name}
+
+
+def test_a_trace_is_summarised_per_stream_with_the_allocation_after_each_unmapping():
+    names = {0: "compute", 7: "s_in"}
+    big = 100 * MIB
+    trace = [
+        {"action": "alloc", "stream": 0, "size": big, "frames": [_frame("executor", 5)]},
+        {"action": "alloc", "stream": 7, "size": MIB, "frames": []},  # (small: not listed)
+        {"action": "free_requested", "stream": 0, "size": big, "frames": []},
+        {"action": "segment_unmap", "stream": 0, "size": 40 * MIB, "frames": []},
+        {"action": "segment_unmap", "stream": 0, "size": 20 * MIB, "frames": []},
+        {"action": "alloc", "stream": 0, "size": big,
+         "frames": [{"filename": "/usr/torch/x.py", "line": 3, "name": "f"},
+                    _frame("transfer", 9)]},
+        {"action": "alloc", "stream": 3, "size": big, "frames": []},  # (an unnamed stream)
+    ]
+    got = bench_cap.summarise_trace(trace, names)
+    assert got["actions"]["alloc@compute"] == {"count": 2, "gib": round(200 / 1024, 3)}
+    assert got["actions"]["segment_unmap@compute"]["count"] == 2
+    assert got["actions"]["alloc@s_in"]["count"] == 1 and "alloc@3" in got["actions"]
+    assert got["largest_allocations"][0] == {"stream": "compute", "mib": 100, "count": 1,
+                                             "where": "engine/executor.py:5:executor"}
+    assert len(got["largest_allocations"]) == 3  # (the 1 MiB one is not among them)
+    assert got["after_unmaps"] == [{"unmapped_mib": 60, "stream": "compute", "alloc_mib": 100,
+                                    "where": "engine/transfer.py:9:transfer"}]
+
+
+def test_segments_are_summed_per_stream():
+    g = 1 << 30
+    got = bench_cap.segments_by_stream(
+        [{"stream": 0, "total_size": 2 * g, "allocated_size": g},
+         {"stream": 0, "total_size": g, "allocated_size": 0},
+         {"stream": 9, "total_size": g, "allocated_size": g}], {0: "compute"})
+    assert got == {"compute": {"reserved_gib": 3.0, "allocated_gib": 1.0, "segments": 2},
+                   "9": {"reserved_gib": 1.0, "allocated_gib": 1.0, "segments": 1}}
+
+
+def test_the_result_file_names_workload_scale_model_device_and_tag(tmp_path):
+    from argparse import Namespace
+
+    from common import workload_json
+
+    args = Namespace(workload="largest", scale=24, model="gcn2", tag="")
+    assert workload_json(tmp_path, "cap", args, "NVIDIA H200") == \
+        tmp_path / "cap_largest-24_gcn2_nvidia-h200.json"
+    args = Namespace(workload="rmat22", scale=None, model="gcn3", tag="s56")
+    assert workload_json(str(tmp_path), "setup_profile", args, "NVIDIA H200") == \
+        tmp_path / "s56_setup_profile_rmat22_gcn3_nvidia-h200.json"
