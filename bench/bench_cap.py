@@ -40,11 +40,10 @@ import time
 
 import bench_suite
 import torch
-from bench_suite import WORKLOADS, hongtu_run, make_graph, model_cfg, workload_arguments
+from bench_suite import WORKLOADS, hongtu_run, make_graph, model_cfg, serve, workload_arguments
 from common import RESULTS, device_name, workload_json, write_json
 
 from hongtu.config import parse_size
-from hongtu.graph.datasets import BUILTIN_DATASETS, BuiltinDataset
 
 MIB = 1 << 20
 #: allocations at least this large are listed by where they were made
@@ -169,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("bench_cap.py measures a GPU's allocator: no GPU here")
 
     graph = make_graph(args.workload, args.scale)
-    BUILTIN_DATASETS[args.workload] = BuiltinDataset(args.workload, lambda: graph)
+    serve(args.workload, graph)
     mcfg = model_cfg(args.model, args.hidden or WORKLOADS[args.workload]["hidden"])
     budget = parse_size(args.budget)
     recording = _Recording()

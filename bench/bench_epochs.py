@@ -34,13 +34,21 @@ import time
 from pathlib import Path
 
 import torch
-from bench_suite import MODELS, SYSTEMS, WORKLOADS, make_graph, model_cfg, suite_config, warm_up
+from bench_suite import (
+    MODELS,
+    SYSTEMS,
+    WORKLOADS,
+    make_graph,
+    model_cfg,
+    serve,
+    suite_config,
+    warm_up,
+)
 from common import RESULTS, device_name, file_tag, pass_names, write_json
 
 from hongtu.config import parse_size
 from hongtu.engine.executor import Executor
 from hongtu.engine.trainer import Trainer
-from hongtu.graph.datasets import BUILTIN_DATASETS, BuiltinDataset
 
 
 class _Collector:
@@ -91,7 +99,7 @@ def main() -> int:
         return 2
     warm_up(args)
     graph = make_graph(args.workload, None)
-    BUILTIN_DATASETS[args.workload] = BuiltinDataset(args.workload, lambda: graph)
+    serve(args.workload, graph)
     cfg = suite_config(args.workload, model_cfg(args.model, WORKLOADS[args.workload]["hidden"]),
                        args.workdir, args.epochs, device_memory=parse_size(args.budget),
                        **SYSTEMS["hongtu"])

@@ -27,12 +27,11 @@ import sys
 from pathlib import Path
 
 import torch
-from bench_suite import MODELS, SYSTEMS, WORKLOADS, make_graph, model_cfg, suite_config
+from bench_suite import MODELS, SYSTEMS, WORKLOADS, make_graph, model_cfg, serve, suite_config
 from common import RESULTS, device_name, file_tag, write_json
 
 from hongtu.config import parse_size
 from hongtu.engine.trainer import Trainer
-from hongtu.graph.datasets import BUILTIN_DATASETS, BuiltinDataset
 
 
 def run(args, system: str, evaluate: bool) -> list[dict]:
@@ -66,7 +65,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     graph = make_graph(args.workload, args.scale)
-    BUILTIN_DATASETS[args.workload] = BuiltinDataset(args.workload, lambda: graph)
+    serve(args.workload, graph)
     runs = {"hongtu": run(args, "hongtu", False), "hongtu+eval": run(args, "hongtu", True)}
     if torch.cuda.is_available():
         runs["resident+eval"] = run(args, "resident", True)

@@ -25,11 +25,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from bench_suite import MODELS, WORKLOADS, model_cfg
+from bench_suite import MODELS, WORKLOADS, model_cfg, serve
 from common import RESULTS, host_peak_rss_bytes, write_json
 
 from hongtu.config import config_from_dict, format_size
-from hongtu.graph.datasets import BUILTIN_DATASETS, BuiltinDataset
 from hongtu.graph.generators import rmat_graph
 from hongtu.graph.transforms import add_self_loops
 from hongtu.report import build_report, format_report
@@ -50,7 +49,7 @@ def main() -> int:
     scale = args.scale or w["scale"]
     g = add_self_loops(rmat_graph(scale, 16, 1, w["classes"], seed=0))
     g.x = np.broadcast_to(np.zeros((1, 1), np.float32), (g.num_nodes, w["features"]))
-    BUILTIN_DATASETS[args.workload] = BuiltinDataset(args.workload, lambda: g)
+    serve(args.workload, g)
     cfg = config_from_dict({
         "data": {"path": f"builtin:{args.workload}", "undirected": False, "self_loops": False},
         "model": model_cfg(args.model, w["hidden"]), "train": {"seed": 0},

@@ -38,14 +38,22 @@ import time
 from pathlib import Path
 
 import torch
-from bench_suite import MODELS, SYSTEMS, WORKLOADS, make_graph, model_cfg, suite_config, warm_up
+from bench_suite import (
+    MODELS,
+    SYSTEMS,
+    WORKLOADS,
+    make_graph,
+    model_cfg,
+    serve,
+    suite_config,
+    warm_up,
+)
 from common import RESULTS, device_name, file_tag, pass_names, write_json
 
 from hongtu.config import format_size, parse_size
 from hongtu.engine.budget import _SLACK, batch_bytes
 from hongtu.engine.executor import Executor
 from hongtu.engine.trainer import Trainer
-from hongtu.graph.datasets import BUILTIN_DATASETS, BuiltinDataset
 
 
 def _site(frames: list[dict]) -> str:
@@ -242,7 +250,7 @@ def main() -> int:
             return 2
     warm_up(args)
     graph = make_graph(args.workload, args.scale)
-    BUILTIN_DATASETS[args.workload] = BuiltinDataset(args.workload, lambda: graph)
+    serve(args.workload, graph)
     result = {"device": device_name(), "workload": args.workload, "system": args.system,
               "run_at": time.strftime("%Y-%m-%d %H:%M"), "models": {}}
     for m in models:

@@ -39,12 +39,20 @@ import time
 from pathlib import Path
 
 import torch
-from bench_suite import MODELS, SYSTEMS, WORKLOADS, make_graph, model_cfg, suite_config, warm_up
+from bench_suite import (
+    MODELS,
+    SYSTEMS,
+    WORKLOADS,
+    make_graph,
+    model_cfg,
+    serve,
+    suite_config,
+    warm_up,
+)
 from common import RESULTS, device_name, file_tag, pass_names, pinned_copy_peak, write_json
 
 from hongtu.config import parse_size
 from hongtu.engine.trainer import Trainer
-from hongtu.graph.datasets import BUILTIN_DATASETS, BuiltinDataset
 
 
 def _merged(iv: list) -> list:
@@ -220,7 +228,7 @@ def main() -> int:
         budget = rec["budget_bytes"]
     warm_up(args)
     graph = make_graph(args.workload, args.scale)
-    BUILTIN_DATASETS[args.workload] = BuiltinDataset(args.workload, lambda: graph)
+    serve(args.workload, graph)
     peak = pinned_copy_peak(torch.device("cuda"))
     cfg = suite_config(args.workload, model_cfg(args.model, WORKLOADS[args.workload]["hidden"]),
                        args.workdir, args.epochs, device_memory=parse_size(budget),

@@ -28,10 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-from bench_suite import SYSTEMS, WORKLOADS, make_graph, suite_config
+from bench_suite import SYSTEMS, WORKLOADS, make_graph, serve, suite_config
 from common import RESULTS
 
-from hongtu.graph.datasets import BUILTIN_DATASETS, BuiltinDataset
 from hongtu.report import build_report
 
 
@@ -98,7 +97,7 @@ def main() -> int:
                   file=sys.stderr)
             return 2
         graph = make_graph(workload, args.scale)
-        BUILTIN_DATASETS[workload] = BuiltinDataset(workload, lambda g=graph: g)
+        serve(workload, graph)
         chosen: dict[str, list[dict]] = {}  # (per model, its entries in the files)
         for f in files:
             suite = json.loads(f.read_text())

@@ -48,6 +48,7 @@ from bench_suite import (
     in_memory_need,
     make_graph,
     model_cfg,
+    serve,
     suite_config,
     warm_up,
     workload_arguments,
@@ -57,7 +58,6 @@ from common import RESULTS, device_name, workload_json, write_json
 from hongtu.config import parse_size
 from hongtu.engine.trainer import Trainer
 from hongtu.graph import _kernels
-from hongtu.graph.datasets import BUILTIN_DATASETS, BuiltinDataset
 
 #: the package's own functions, where a setup profile is read
 OWN = r"hongtu/(dedup|reorg|partition|engine|graph)/"
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     graph = make_graph(args.workload, args.scale)
     print(f"{args.workload}: {graph.num_nodes:,} vertices, {graph.num_edges:,} edges "
           f"(generated in {time.perf_counter() - t0:.1f} s)", flush=True)
-    BUILTIN_DATASETS[args.workload] = BuiltinDataset(args.workload, lambda: graph)
+    serve(args.workload, graph)
     mcfg = model_cfg(args.model, args.hidden or WORKLOADS[args.workload]["hidden"])
     budget = parse_size(args.budget) if args.budget is not None \
         else int(in_memory_need(graph, mcfg) * args.fraction)

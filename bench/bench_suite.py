@@ -162,6 +162,12 @@ def in_memory_need(graph, mcfg: dict) -> int:
                               4).resident_bytes()
 
 
+def serve(workload: str, graph=None, load=None) -> None:
+    """Serve ``graph`` (or what ``load()`` makes, at every read) as
+    ``builtin:<workload>``, which the suite's configurations read."""
+    BUILTIN_DATASETS[workload] = BuiltinDataset(workload, load or (lambda: graph))
+
+
 def workload_arguments(ap) -> None:
     """A script's ``workload``, ``--scale``, ``--model`` and ``--hidden`` (one suite
     workload and model)."""
@@ -450,9 +456,8 @@ def main() -> int:
           f"(generated in {gen_s:.1f} s)", flush=True)
     # Every hongtu run below reads this graph through the built-in registry (or,
     # with --regenerate, the same graph generated again).
-    BUILTIN_DATASETS[args.workload] = BuiltinDataset(
-        args.workload,
-        (lambda: make_graph(args.workload, args.scale)) if args.regenerate else lambda: graph)
+    serve(args.workload, graph,
+          (lambda: make_graph(args.workload, args.scale)) if args.regenerate else None)
     peak = pinned_copy_peak(device)
     if peak["h2d"]:
         print(f"pinned copy peak: h2d {peak['h2d'] / 1e9:.1f} GB/s, "

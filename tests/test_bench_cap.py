@@ -68,3 +68,23 @@ def test_the_result_file_names_workload_scale_model_device_and_tag(tmp_path):
     args = Namespace(workload="rmat22", scale=None, model="gcn3", tag="s56")
     assert workload_json(str(tmp_path), "setup_profile", args, "NVIDIA H200") == \
         tmp_path / "s56_setup_profile_rmat22_gcn3_nvidia-h200.json"
+
+
+def test_serve_puts_a_graph_or_a_loader_in_the_builtin_registry():
+    import bench_suite
+
+    from hongtu.graph.datasets import BUILTIN_DATASETS
+
+    graph, calls = object(), []
+
+    def load():
+        calls.append(1)
+        return graph
+
+    try:
+        bench_suite.serve("bench-serve-test", graph)
+        assert BUILTIN_DATASETS["bench-serve-test"].build() is graph
+        bench_suite.serve("bench-serve-test", load=load)  # (made again at every read)
+        assert BUILTIN_DATASETS["bench-serve-test"].build() is graph and calls == [1]
+    finally:
+        BUILTIN_DATASETS.pop("bench-serve-test", None)
