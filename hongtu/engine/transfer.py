@@ -593,7 +593,7 @@ class Mover:
         waiting for those stores first (on the device; this thread does not
         wait)."""
         self._batch += 1
-        self._release(self._batch - 1)
+        self._release(self._batch - HOLD_BATCHES + 1)
 
     def _release(self, before: int | None = None, wait: bool = True,
                  most: int | None = None) -> None:
@@ -957,10 +957,10 @@ class Mover:
 
     def _keep(self, value: Tensor) -> None:
         """``value`` (memory compute allocated, or device memory the run keeps)
-        stays allocated until the store stream is done with it: held until a
-        batch after the next begins (:meth:`step`), or compute waits for every
-        store (:meth:`join`), and given back after compute waits for its store
-        on the device. What compute allocates then takes its place in
+        stays allocated until the store stream is done with it: held until
+        the batch :data:`HOLD_BATCHES` after its own begins (:meth:`step`), or
+        compute waits for every store (:meth:`join`), and given back after
+        compute waits for its store on the device. What compute allocates then takes its place in
         compute's order. (``record_stream`` would hand it back only once this
         thread, allocating, saw the store done: running batches ahead of the
         device, it found it not done yet, and the allocator took more memory,
@@ -1139,6 +1139,10 @@ _STAGES = 3  # pinned flush staging areas (flushes in flight to the CPU adder)
 # Held stores' tensors (Mover._keep) past which, with no batch begun between
 # them, all but the last _HELD_LAST are given back (compute waiting for them).
 _HELD_MOST, _HELD_LAST = 64, 16
+#: A store's tensor is given back when the batch this many after its own
+#: begins (Mover.step): at 2, while a batch computes, the batch before's
+#: stores may still go (the estimate counts one batch's: held_store_bytes).
+HOLD_BATCHES = 2
 
 
 def flush_staging_bytes(elements: int, itemsize: int) -> int:

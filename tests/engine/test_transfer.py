@@ -9,6 +9,7 @@ import torch
 from hongtu.engine.pinned import slab_copies
 from hongtu.engine.transfer import (
     BLOCK_LAYOUT,
+    HOLD_BATCHES,
     Mover,
     _block_runs,
     add_rows,
@@ -260,11 +261,11 @@ def test_a_pass_may_end_before_its_stores_and_loads_after_it_see_them():
 @pytest.mark.gpu
 def test_a_stores_source_is_given_back_after_compute_waits_for_the_store():
     """The tensor a store reads stays allocated when the caller drops it, and
-    is given back when a batch after the next begins (``step``), after compute
-    waits for the store on the device: what compute allocates next in its
-    place (the same memory) is written only once the store, held up behind a
-    slow store stream here, has read it. ``join`` with stores gives back the
-    rest at once."""
+    is given back when the batch ``HOLD_BATCHES`` after its own begins
+    (``step``), after compute waits for the store on the device: what compute
+    allocates next in its place (the same memory) is written only once the
+    store, held up behind a slow store stream here, has read it. ``join``
+    with stores gives back the rest at once."""
     d = torch.device("cuda")
     n = 1 << 18  # (4 MiB of rows: its own piece of the allocator's cache)
     mv = Mover(d, {"dst": (1, 1)}, 4, torch.float32)
@@ -276,8 +277,9 @@ def test_a_stores_source_is_given_back_after_compute_waits_for_the_store():
         torch.cuda._sleep(200_000_000)  # (a store stream far behind)
     mv.store_range(host, 0, value)
     del value
-    mv.step()
-    assert torch.cuda.memory_allocated() == base  # (held: the store reads it)
+    for _ in range(HOLD_BATCHES - 1):
+        mv.step()
+        assert torch.cuda.memory_allocated() == base  # (held: the store reads it)
     mv.step()
     assert torch.cuda.memory_allocated() < base  # (given back)
     again = torch.empty((n, 4), device=d)
