@@ -57,7 +57,7 @@ def parse_runs(text: str) -> list[tuple[str, bool]]:
     for item in text.split(","):
         system, _, how = item.strip().rpartition(":")
         if how not in ("cap", "free"):
-            raise SystemExit(f"--runs: {item!r} is not cap, free, SYSTEM:cap or SYSTEM:free")
+            raise ValueError(f"--runs: {item!r} is not cap, free, SYSTEM:cap or SYSTEM:free")
         out.append((system or "hongtu", how == "cap"))
     return out
 
@@ -163,7 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default="/tmp/hongtu_cap")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
-    runs = parse_runs(args.runs)
+    try:
+        runs = parse_runs(args.runs)
+    except ValueError as exc:
+        ap.error(str(exc))  # (exit code 2)
     if not torch.cuda.is_available():
         raise SystemExit("bench_cap.py measures a GPU's allocator: no GPU here")
 

@@ -14,8 +14,11 @@ MIB = 1 << 20
 def test_runs_name_a_system_and_whether_the_allocator_is_capped():
     assert bench_cap.parse_runs("cap,free,hongtu@24:cap, baseline:free") == [
         ("hongtu", True), ("hongtu", False), ("hongtu@24", True), ("baseline", False)]
-    with pytest.raises(SystemExit, match="'capped' is not cap, free"):
+    with pytest.raises(ValueError, match="'capped' is not cap, free"):
         bench_cap.parse_runs("cap,capped")
+    with pytest.raises(SystemExit) as exit_:  # (one line, exit code 2, before any work)
+        bench_cap.main(["products-like", "--budget", "1GiB", "--runs", "cap,capped"])
+    assert exit_.value.code == 2
 
 
 def _frame(name, line=1):
