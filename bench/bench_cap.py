@@ -6,7 +6,10 @@ configuration, hongtu out of core at ``--budget``) and trains it once per entry
 of ``--runs``, in that order: ``cap`` with the allocator limited to the budget
 (``torch.cuda.set_per_process_memory_fraction``: a GPU the size of
 ``engine.device_memory``), ``free`` without. ``SYSTEM:cap`` runs another
-suite system (``hongtu@24:cap``: 24 chunks). Interleaving them in one process
+suite system (``hongtu@24:cap``: 24 chunks); ``/N`` holds what a batch
+stores ``N`` batches (``free/3``; the release holds them
+:data:`~hongtu.engine.transfer.HOLD_BATCHES`, and its estimate counts them
+so). Interleaving them in one process
 compares them on one machine at one moment: these machines are shared, and
 their epochs differ from call to call by more than some of the differences
 measured here.
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import gc
 import sys
 import time
@@ -44,22 +48,42 @@ from bench_suite import WORKLOADS, hongtu_run, make_graph, model_cfg, serve, wor
 from common import RESULTS, device_name, workload_json, write_json
 
 from hongtu.config import parse_size
+from hongtu.engine import budget, transfer
 
 MIB = 1 << 20
 #: allocations at least this large are listed by where they were made
 BIG = 16 * MIB
 
 
-def parse_runs(text: str) -> list[tuple[str, bool]]:
-    """``"cap,free,hongtu@24:cap"`` -> ``[("hongtu", True), ("hongtu", False),
-    ("hongtu@24", True)]``."""
+def parse_runs(text: str) -> list[tuple[str, bool, int | None]]:
+    """``"cap,free/3,hongtu@24:cap"`` -> ``[("hongtu", True, None), ("hongtu",
+    False, 3), ("hongtu@24", True, None)]``: system, capped, and the batches a
+    store's tensor is held (``/N``; ``None``: the release's
+    :data:`~hongtu.engine.transfer.HOLD_BATCHES`)."""
     out = []
     for item in text.split(","):
-        system, _, how = item.strip().rpartition(":")
-        if how not in ("cap", "free"):
-            raise ValueError(f"--runs: {item!r} is not cap, free, SYSTEM:cap or SYSTEM:free")
-        out.append((system or "hongtu", how == "cap"))
+        run, _, hold = item.strip().partition("/")
+        system, _, how = run.rpartition(":")
+        if how not in ("cap", "free") or (hold and not (hold.isdigit() and int(hold) >= 2)):
+            raise ValueError(f"--runs: {item!r} is not cap, free, SYSTEM:cap or SYSTEM:free, "
+                             "with /N (N >= 2 batches held) or not")
+        out.append((system or "hongtu", how == "cap", int(hold) if hold else None))
     return out
+
+
+@contextlib.contextmanager
+def holding(batches: int | None):
+    """Stores' tensors held ``batches`` batches (as :data:`HOLD_BATCHES`, which the
+    estimate counts too) while in the block; ``None``: as the release holds them."""
+    if batches is None:
+        yield
+        return
+    saved = transfer.HOLD_BATCHES, budget.HOLD_BATCHES
+    transfer.HOLD_BATCHES = budget.HOLD_BATCHES = batches
+    try:
+        yield
+    finally:
+        transfer.HOLD_BATCHES, budget.HOLD_BATCHES = saved
 
 
 def _where(entry: dict) -> str:
@@ -173,23 +197,26 @@ def main(argv: list[str] | None = None) -> int:
     graph = make_graph(args.workload, args.scale)
     serve(args.workload, graph)
     mcfg = model_cfg(args.model, args.hidden or WORKLOADS[args.workload]["hidden"])
-    budget = parse_size(args.budget)
+    budget_bytes = parse_size(args.budget)
     recording = _Recording()
     base = bench_suite.Trainer
     bench_suite.Trainer = recording.trainer_class(base)
     result = {"device": device_name(), "workload": args.workload, "scale": args.scale,
               "model": mcfg, "num_nodes": graph.num_nodes, "num_edges": graph.num_edges,
-              "budget_bytes": budget, "runs": []}
+              "budget_bytes": budget_bytes, "runs": []}
     try:
-        for k, (system, cap) in enumerate(runs):
+        for k, (system, cap, hold) in enumerate(runs):
             recording.on = args.trace and k == 0
             run_args = argparse.Namespace(workdir=args.workdir, epochs=args.epochs,
                                           warmup=args.warmup, cap=cap, resident_budget=None)
             gc.collect()
             torch.cuda.empty_cache()
             t0 = time.perf_counter()
-            r = hongtu_run(args.workload, mcfg, system, budget, run_args, {})
-            rec = {"system": system, "cap": cap, "wall_s": time.perf_counter() - t0,
+            with holding(hold):
+                r = hongtu_run(args.workload, mcfg, system, budget_bytes, run_args, {})
+            rec = {"system": system, "cap": cap,
+                   "hold_batches": hold or transfer.HOLD_BATCHES,
+                   "wall_s": time.perf_counter() - t0,
                    **{key: r.get(key) for key in (
                        "status", "chunks", "median_epoch_s", "epoch_s", "alloc_retries",
                        "peak_device_bytes", "reserved_peak_bytes", "estimate_bytes",
@@ -198,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
                 rec["allocator"] = recording.result
             result["runs"].append(rec)
             gib = 1 << 30
-            print(f"=== {system} {'cap' if cap else 'free'}: {rec['status']}, "
+            print(f"=== {system} {'cap' if cap else 'free'}/{rec['hold_batches']}: "
+                  f"{rec['status']}, "
                   f"{rec['chunks']} chunks, epoch {rec['median_epoch_s'] or 0:.4f} s, "
                   f"retries {rec['alloc_retries']}, "
                   f"peak {(rec['peak_device_bytes'] or 0) / gib:.2f} GiB, "

@@ -12,13 +12,30 @@ MIB = 1 << 20
 
 
 def test_runs_name_a_system_and_whether_the_allocator_is_capped():
-    assert bench_cap.parse_runs("cap,free,hongtu@24:cap, baseline:free") == [
-        ("hongtu", True), ("hongtu", False), ("hongtu@24", True), ("baseline", False)]
-    with pytest.raises(ValueError, match="'capped' is not cap, free"):
-        bench_cap.parse_runs("cap,capped")
+    assert bench_cap.parse_runs("cap,free/3,hongtu@24:cap, baseline:free") == [
+        ("hongtu", True, None), ("hongtu", False, 3), ("hongtu@24", True, None),
+        ("baseline", False, None)]
+    for bad in ("capped", "free/1", "cap/x"):
+        with pytest.raises(ValueError, match=f"'{bad}' is not cap, free"):
+            bench_cap.parse_runs(f"cap,{bad}")
     with pytest.raises(SystemExit) as exit_:  # (one line, exit code 2, before any work)
         bench_cap.main(["products-like", "--budget", "1GiB", "--runs", "cap,capped"])
     assert exit_.value.code == 2
+
+
+def test_holding_sets_the_batches_held_for_the_mover_and_the_estimate():
+    from hongtu.engine import budget, transfer
+    from tests.engine.test_oracle import make_model
+
+    model = make_model("gcn")
+    before = transfer.HOLD_BATCHES
+    one = budget.held_store_bytes(model, 100)
+    with bench_cap.holding(before + 2):
+        assert transfer.HOLD_BATCHES == budget.HOLD_BATCHES == before + 2
+        assert budget.held_store_bytes(model, 100) == one * (before + 1) // (before - 1)
+    assert transfer.HOLD_BATCHES == budget.HOLD_BATCHES == before
+    with bench_cap.holding(None):
+        assert transfer.HOLD_BATCHES == budget.HOLD_BATCHES == before
 
 
 def _frame(name, line=1):
