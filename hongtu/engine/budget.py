@@ -350,13 +350,13 @@ def held_store_bytes(model: GNN, max_dst: int, itemsize: int = 4) -> int:
     """Device bytes a GPU with overlap holds for the stores of the batches before
     while a batch computes: what a batch stores stays allocated until compute
     waits for its store, :data:`~hongtu.engine.transfer.HOLD_BATCHES` batches
-    later (:meth:`~hongtu.engine.transfer.Mover._keep`;
-    before, the allocator took it back only once this thread saw the store
-    done, and took more memory meanwhile). Counted as the largest chunk's rows
-    at the model's widest row per batch held (R-MAT 2^24 GCN 2x128 on an H200: the measured
-    peak rose by 0.77 GiB with them held, against 0.67 GiB here; the estimate
-    has ``_SLACK`` on the batch's own bytes; ``bench/HISTORY.md``, 2026-11-28,
-    twelfth)."""
+    later (:meth:`~hongtu.engine.transfer.Mover._keep`; before, the allocator
+    took it back only once this thread saw the store done, and took more
+    memory meanwhile). Counted as the largest chunk's rows at the model's
+    widest row per batch held beyond its own (R-MAT 2^24 GCN 2x128 on an
+    H200: the measured peak rose by 0.77 GiB with them held, against 0.67 GiB
+    here; the estimate has ``_SLACK`` on the batch's own bytes;
+    ``bench/HISTORY.md``, 2026-11-28, twelfth)."""
     return (HOLD_BATCHES - 1) * int(max_dst) * max(model.row_widths()) * itemsize
 
 
