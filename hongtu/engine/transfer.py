@@ -882,10 +882,11 @@ class Mover:
         dev = [torch.empty(span.shape, dtype=span.dtype, device=self.device) for span, _ in runs]
         wide = [torch.empty(d.shape, dtype=torch.int64, device=self.device)
                 if d.dtype == torch.int32 else d for d in dev]
-        out = {name: torch.empty(getattr(block, name).shape, device=self.device,
-                                 dtype=torch.int64 if getattr(block, name).dtype == torch.int32
-                                 else getattr(block, name).dtype)
-               for name in empty}  # (made on the device)
+        out = {}
+        for name in empty:  # (made on the device)
+            t = getattr(block, name)
+            out[name] = torch.empty(t.shape, device=self.device,
+                                    dtype=torch.int64 if t.dtype == torch.int32 else t.dtype)
         with self._on(self.s_in), self.timing("time_h2d_s", self.s_in):
             for (span, _), d in zip(runs, dev):
                 self.traffic.h2d_bytes += span.nbytes
@@ -968,9 +969,7 @@ class Mover:
         ``bench/HISTORY.md``, 2026-11-28, twelfth.)"""
         if not self.overlap:
             return
-        event = torch.cuda.Event()
-        event.record(self.s_out)
-        self._held.append((self._batch, value, event))
+        self._held.append((self._batch, value, self._ready_event(self.s_out)))
         if len(self._held) > _HELD_MOST:  # (stores with no batches between them)
             self._release(most=len(self._held) - _HELD_LAST)
 
