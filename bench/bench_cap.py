@@ -14,7 +14,9 @@ compares them on one machine at one moment: these machines are shared, and
 their epochs differ from call to call by more than some of the differences
 measured here.
 
-Per run: the median epoch, the allocator's retries (each a synchronisation of
+Per run: the median epoch and its ratio to the transfer lower bound (the
+epoch's bytes at the pinned-copy rate measured once, before the first run, as
+:mod:`bench_suite` measures it), the allocator's retries (each a synchronisation of
 the device, after which it freed its cached memory to allocate again), the
 peak of what was allocated and of what it reserved, the estimate, the bytes
 each way and the losses. With ``--trace`` the first run records the
@@ -45,7 +47,7 @@ import time
 import bench_suite
 import torch
 from bench_suite import WORKLOADS, hongtu_run, make_graph, model_cfg, serve, workload_arguments
-from common import RESULTS, device_name, workload_json, write_json
+from common import RESULTS, device_name, pinned_copy_peak, workload_json, write_json
 
 from hongtu.config import parse_size
 from hongtu.engine import budget, transfer
@@ -198,12 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     serve(args.workload, graph)
     mcfg = model_cfg(args.model, args.hidden or WORKLOADS[args.workload]["hidden"])
     budget_bytes = parse_size(args.budget)
+    peak = pinned_copy_peak(torch.device("cuda"))  # the bound's rate, once for all runs
     recording = _Recording()
     base = bench_suite.Trainer
     bench_suite.Trainer = recording.trainer_class(base)
     result = {"device": device_name(), "workload": args.workload, "scale": args.scale,
               "model": mcfg, "num_nodes": graph.num_nodes, "num_edges": graph.num_edges,
-              "budget_bytes": budget_bytes, "runs": []}
+              "budget_bytes": budget_bytes, "pinned_peak_bytes_per_s": peak, "runs": []}
     try:
         for k, (system, cap, hold) in enumerate(runs):
             recording.on = args.trace and k == 0
@@ -213,21 +216,23 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
             t0 = time.perf_counter()
             with holding(hold):
-                r = hongtu_run(args.workload, mcfg, system, budget_bytes, run_args, {})
+                r = hongtu_run(args.workload, mcfg, system, budget_bytes, run_args, peak)
             rec = {"system": system, "cap": cap,
                    "hold_batches": hold or transfer.HOLD_BATCHES,
                    "wall_s": time.perf_counter() - t0,
                    **{key: r.get(key) for key in (
                        "status", "chunks", "median_epoch_s", "epoch_s", "alloc_retries",
                        "peak_device_bytes", "reserved_peak_bytes", "estimate_bytes",
-                       "h2d_bytes", "d2h_bytes", "loss")}}
+                       "h2d_bytes", "d2h_bytes", "lower_bound_s", "over_lower_bound",
+                       "over_lower_bound_passes", "loss")}}
             if recording.on:
                 rec["allocator"] = recording.result
             result["runs"].append(rec)
             gib = 1 << 30
             print(f"=== {system} {'cap' if cap else 'free'}/{rec['hold_batches']}: "
                   f"{rec['status']}, "
-                  f"{rec['chunks']} chunks, epoch {rec['median_epoch_s'] or 0:.4f} s, "
+                  f"{rec['chunks']} chunks, epoch {rec['median_epoch_s'] or 0:.4f} s "
+                  f"({rec['over_lower_bound'] or 0:.2f}x the bound), "
                   f"retries {rec['alloc_retries']}, "
                   f"peak {(rec['peak_device_bytes'] or 0) / gib:.2f} GiB, "
                   f"reserved {(rec['reserved_peak_bytes'] or 0) / gib:.2f} GiB", flush=True)
