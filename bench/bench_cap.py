@@ -9,10 +9,10 @@ of ``--runs``, in that order: ``cap`` with the allocator limited to the budget
 suite system (``hongtu@24:cap``: 24 chunks); ``/N`` holds what a batch
 stores ``N`` batches (``free/3``; the release holds them
 :data:`~hongtu.engine.transfer.HOLD_BATCHES`, and its estimate counts them
-so). Interleaving them in one process
-compares them on one machine at one moment: these machines are shared, and
-their epochs differ from call to call by more than some of the differences
-measured here.
+so); ``free/lag`` lets them lag behind compute with the estimate as it is.
+Interleaving them in one process compares them on one machine at one
+moment: these machines are shared, and their epochs differ from call to call
+by more than some of the differences measured here.
 
 Per run: the median epoch and its ratio to the transfer lower bound (the
 epoch's bytes at the pinned-copy rate measured once, before the first run, as
@@ -57,31 +57,45 @@ MIB = 1 << 20
 BIG = 16 * MIB
 
 
-def parse_runs(text: str) -> list[tuple[str, bool, int | None]]:
-    """``"cap,free/3,hongtu@24:cap"`` -> ``[("hongtu", True, None), ("hongtu",
-    False, 3), ("hongtu@24", True, None)]``: system, capped, and the batches a
-    store's tensor is held (``/N``; ``None``: the release's
-    :data:`~hongtu.engine.transfer.HOLD_BATCHES`)."""
+#: ``/lag``: stores' tensors held this many batches, the estimate not told
+LAG_BATCHES = 64
+
+
+def parse_runs(text: str) -> list[tuple[str, bool, int | str | None]]:
+    """``"cap,free/3,hongtu@24:cap,free/lag"`` -> ``[("hongtu", True, None),
+    ("hongtu", False, 3), ("hongtu@24", True, None), ("hongtu", False, "lag")]``:
+    system, capped, and how long a store's tensor is held (``/N``: ``N``
+    batches; ``None``: the release's :data:`~hongtu.engine.transfer.HOLD_BATCHES`;
+    ``/lag``: :data:`LAG_BATCHES`, uncapped only, see :func:`holding`)."""
     out = []
     for item in text.split(","):
         run, _, hold = item.strip().partition("/")
         system, _, how = run.rpartition(":")
-        if how not in ("cap", "free") or (hold and not (hold.isdigit() and int(hold) >= 2)):
+        if how not in ("cap", "free") or (hold and not (
+                (hold.isdigit() and int(hold) >= 2) or (hold == "lag" and how == "free"))):
             raise ValueError(f"--runs: {item!r} is not cap, free, SYSTEM:cap or SYSTEM:free, "
-                             "with /N (N >= 2 batches held) or not")
-        out.append((system or "hongtu", how == "cap", int(hold) if hold else None))
+                             "with /N (N >= 2 batches held), free/lag or neither")
+        out.append((system or "hongtu", how == "cap",
+                    int(hold) if hold.isdigit() else hold or None))
     return out
 
 
 @contextlib.contextmanager
-def holding(batches: int | None):
+def holding(batches: int | str | None):
     """Stores' tensors held ``batches`` batches (as :data:`HOLD_BATCHES`, which the
-    estimate counts too) while in the block; ``None``: as the release holds them."""
+    estimate counts too) while in the block; ``None``: as the release holds them.
+    ``"lag"``: :data:`LAG_BATCHES`, and the estimate still counts the release's:
+    the same chunks and buffers, and the stores free to lag behind compute in
+    memory beyond the budget, as the release before let them (what compute
+    waiting for them costs)."""
     if batches is None:
         yield
         return
     saved = transfer.HOLD_BATCHES, budget.HOLD_BATCHES
-    transfer.HOLD_BATCHES = budget.HOLD_BATCHES = batches
+    if batches == "lag":
+        transfer.HOLD_BATCHES = LAG_BATCHES
+    else:
+        transfer.HOLD_BATCHES = budget.HOLD_BATCHES = batches
     try:
         yield
     finally:
@@ -218,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
             with holding(hold):
                 r = hongtu_run(args.workload, mcfg, system, budget_bytes, run_args, peak)
             rec = {"system": system, "cap": cap,
-                   "hold_batches": hold or transfer.HOLD_BATCHES,
+                   "hold_batches": LAG_BATCHES if hold == "lag"
+                   else hold or transfer.HOLD_BATCHES,
+                   "estimate_counts_hold": hold != "lag",
                    "wall_s": time.perf_counter() - t0,
                    **{key: r.get(key) for key in (
                        "status", "chunks", "median_epoch_s", "epoch_s", "alloc_retries",
@@ -229,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                 rec["allocator"] = recording.result
             result["runs"].append(rec)
             gib = 1 << 30
-            print(f"=== {system} {'cap' if cap else 'free'}/{rec['hold_batches']}: "
+            print(f"=== {system} {'cap' if cap else 'free'}/{hold or rec['hold_batches']}: "
                   f"{rec['status']}, "
                   f"{rec['chunks']} chunks, epoch {rec['median_epoch_s'] or 0:.4f} s "
                   f"({rec['over_lower_bound'] or 0:.2f}x the bound), "

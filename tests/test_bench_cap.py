@@ -12,10 +12,10 @@ MIB = 1 << 20
 
 
 def test_runs_name_a_system_and_whether_the_allocator_is_capped():
-    assert bench_cap.parse_runs("cap,free/3,hongtu@24:cap, baseline:free") == [
+    assert bench_cap.parse_runs("cap,free/3,hongtu@24:cap, baseline:free,free/lag") == [
         ("hongtu", True, None), ("hongtu", False, 3), ("hongtu@24", True, None),
-        ("baseline", False, None)]
-    for bad in ("capped", "free/1", "cap/x"):
+        ("baseline", False, None), ("hongtu", False, "lag")]
+    for bad in ("capped", "free/1", "cap/x", "cap/lag"):
         with pytest.raises(ValueError, match=f"'{bad}' is not cap, free"):
             bench_cap.parse_runs(f"cap,{bad}")
     with pytest.raises(SystemExit) as exit_:  # (one line, exit code 2, before any work)
@@ -36,6 +36,10 @@ def test_holding_sets_the_batches_held_for_the_mover_and_the_estimate():
     assert transfer.HOLD_BATCHES == budget.HOLD_BATCHES == before
     with bench_cap.holding(None):
         assert transfer.HOLD_BATCHES == budget.HOLD_BATCHES == before
+    with bench_cap.holding("lag"):  # (the mover only: the estimate as the release's)
+        assert transfer.HOLD_BATCHES == bench_cap.LAG_BATCHES
+        assert budget.held_store_bytes(model, 100) == one  # (HOLD_BATCHES there unchanged)
+    assert transfer.HOLD_BATCHES == budget.HOLD_BATCHES == before
 
 
 def _frame(name, line=1):
