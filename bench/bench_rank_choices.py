@@ -29,10 +29,23 @@ from common import RESULTS, write_json
 from hongtu.config import load_config, parse_size
 from hongtu.engine.budget import Chunkings, choose_resident
 from hongtu.engine.buffers import BufferPlan
-from hongtu.engine.trainer import load_data
+from hongtu.engine.trainer import agree_resident, load_data
 from hongtu.errors import UserError
 from hongtu.nn.model import build_model
 from hongtu.partition import assign_parts
+
+
+class _Ranks:
+    """Every rank's choice where ``agree_resident`` reduces over processes."""
+
+    def __init__(self, rows: list[dict]) -> None:
+        self.rows = rows
+
+    def min_int(self, value: int) -> int:  # (whether every rank is resident)
+        return min(int(r["resident"]) for r in self.rows)
+
+    def max_int(self, value: int) -> int:  # (the most chunks any rank needs)
+        return max(-1 if r["chunks"] is None else r["chunks"] for r in self.rows)
 
 
 def main() -> None:
@@ -68,9 +81,9 @@ def main() -> None:
             raise SystemExit(f"rank {rank}: {err}") from None
         rows.append(dict(rank=rank, rows=own, resident_bytes=plan.resident_bytes(),
                          resident=resident, room=room, chunks=chunks))
-    every = all(r["resident"] for r in rows)  # (agree_resident's rule)
-    most = max((r["chunks"] for r in rows if r["chunks"] is not None), default=None)
-    agreed = dict(resident=every, chunks=most if every else None)
+    every, _, most = agree_resident(_Ranks(rows), (rows[0]["resident"], rows[0]["room"],
+                                                   rows[0]["chunks"]), budget)
+    agreed = dict(resident=every, chunks=most)
     print(f"{'rank':>4} {'rows':>9} {'resident GiB':>12} {'alone':>14}")
     for r in rows:
         alone = f"resident, {r['chunks']}" if r["resident"] else "out of core"
